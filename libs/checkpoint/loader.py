@@ -1,0 +1,99 @@
+"""Reading blocks: one block region -> one contiguous uint8 buffer, tensors as views over it.
+
+This is the simple, synchronous loader. The multi-tier pipelined loader (O_DIRECT,
+reader threads, pinned chunk pool) keeps the same contract: fill a caller-provided
+uint8 buffer with exactly the block's bytes and verify its checksum.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import torch
+
+from .format import CheckpointIndex, torch_dtype
+
+CHUNK = 16 << 20  # read/checksum granularity; bounds a single read() call and keeps crc32 cache-friendly
+
+
+class ChecksumError(ValueError):
+    def __init__(self, block_id: int, path: str | os.PathLike, expected: str, actual: str):
+        self.block_id = block_id
+        self.path = str(path)
+        self.expected = expected
+        self.actual = actual
+        super().__init__(f"block {block_id} of {self.path}: checksum mismatch (expected {expected}, got {actual})")
+
+
+def crc32_hex(buf: memoryview | bytes, chunk: int = CHUNK) -> str:
+    mv = memoryview(buf).cast("B")
+    crc = 0
+    for start in range(0, len(mv), chunk):
+        crc = zlib.crc32(mv[start : start + chunk], crc)
+    return f"{crc:08x}"
+
+
+def allocate_block(index: CheckpointIndex, block_id: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """An uninitialised buffer of exactly the block's size (what receivers pre-allocate)."""
+    return torch.empty(index.block(block_id).nbytes, dtype=torch.uint8, device=device)
+
+
+def verify_block(index: CheckpointIndex, block_id: int, buffer: torch.Tensor, source: str | os.PathLike = "<memory>") -> None:
+    """Raise ChecksumError unless `buffer` (a uint8 tensor) holds exactly the block's bytes."""
+    entry = index.block(block_id)
+    if buffer.device.type != "cpu":
+        buffer = buffer[: entry.nbytes].cpu()
+    actual = crc32_hex(buffer[: entry.nbytes].numpy())
+    if actual != entry.checksum:
+        raise ChecksumError(block_id, source, entry.checksum, actual)
+
+
+def load_block(
+    ckpt_dir: str | os.PathLike,
+    index: CheckpointIndex,
+    block_id: int,
+    out: torch.Tensor | None = None,
+    verify: bool = True,
+) -> torch.Tensor:
+    """Read block `block_id` into `out` (a CPU uint8 tensor of at least the block's size; allocated if None).
+
+    Returns the buffer, exactly `nbytes` long (a view of `out` if `out` was larger).
+    Raises ChecksumError if the bytes do not match the index.
+    """
+    entry = index.block(block_id)
+    if out is None:
+        out = allocate_block(index, block_id)
+    if out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError("out must be a contiguous CPU uint8 tensor")
+    if out.numel() < entry.nbytes:
+        raise ValueError(f"out has {out.numel()} bytes, block {block_id} needs {entry.nbytes}")
+    buf = out[: entry.nbytes]
+    path = Path(ckpt_dir) / index.data_file
+    # readinto the tensor's own memory: no intermediate bytes object, no extra copy.
+    mv = memoryview(buf.numpy())
+    with open(path, "rb", buffering=0) as f:
+        f.seek(entry.offset)
+        filled = 0
+        while filled < entry.nbytes:
+            # Bounded reads: Linux caps a single read() at ~2 GiB anyway.
+            n = f.readinto(mv[filled : min(filled + CHUNK, entry.nbytes)])
+            if not n:
+                raise ValueError(f"block {block_id} of {path}: file truncated ({filled} of {entry.nbytes} bytes read)")
+            filled += n
+    if verify:
+        verify_block(index, block_id, buf, path)
+    return buf
+
+
+def block_tensors(index: CheckpointIndex, block_id: int, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The block's tensors as views over `buffer` (any device); no copy is made."""
+    entry = index.block(block_id)
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < entry.nbytes:
+        raise ValueError(f"buffer for block {block_id} must be a 1-D uint8 tensor of at least {entry.nbytes} bytes")
+    views = {}
+    for t in index.tensors_in_block(block_id):
+        raw = buffer[t.offset_in_block : t.offset_in_block + t.nbytes]
+        views[t.name] = raw.view(torch_dtype(t.dtype)).view(t.shape)
+    return views

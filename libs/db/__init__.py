@@ -1,0 +1,1 @@
+"""Registry persistence: SQLAlchemy models, engines, migrations and queries."""

@@ -1,0 +1,104 @@
+"""SQLAlchemy models of the registry's state. Only the registry service (and
+Alembic) import this package: every other service asks the registry over NATS.
+
+Times are timezone-aware UTC timestamps; JSON columns are JSONB on Postgres.
+"""
+
+from datetime import datetime
+
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Integer, String, UniqueConstraint
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+Json = JSON().with_variant(JSONB(), "postgresql")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+
+    worker_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    data_address: Mapped[str] = mapped_column(String(256))
+    host: Mapped[str] = mapped_column(String(256))
+    leaf: Mapped[str] = mapped_column(String(128))
+    scaleup_group: Mapped[str] = mapped_column(String(128), default="")
+    link_gbps: Mapped[float] = mapped_column(Float)
+    capacities: Mapped[dict] = mapped_column(Json)  # tier -> bytes
+    state: Mapped[str] = mapped_column(String(16), index=True)  # alive | dead
+    registered_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    last_heartbeat: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Model(Base):
+    __tablename__ = "models"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    path: Mapped[str] = mapped_column(String(1024))
+    arch: Mapped[str] = mapped_column(String(64))
+    n_layers: Mapped[int] = mapped_column(Integer)
+    n_blocks: Mapped[int] = mapped_column(Integer)
+    total_bytes: Mapped[int] = mapped_column(BigInteger)
+    min_instances: Mapped[int] = mapped_column(Integer)
+    max_instances: Mapped[int] = mapped_column(Integer)
+    keep_alive_s: Mapped[float] = mapped_column(Float)
+    max_queue: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), index=True)  # deployed | deleted
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ModelBlock(Base):
+    __tablename__ = "model_blocks"
+
+    model: Mapped[str] = mapped_column(ForeignKey("models.name", ondelete="CASCADE"), primary_key=True)
+    block_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    nbytes: Mapped[int] = mapped_column(BigInteger)
+    checksum: Mapped[str] = mapped_column(String(64))
+    layer_start: Mapped[int] = mapped_column(Integer)
+    layer_end: Mapped[int] = mapped_column(Integer)
+
+
+class BlockReplica(Base):
+    __tablename__ = "block_replicas"
+    __table_args__ = (UniqueConstraint("model", "block_id", "worker_id", "tier", name="uq_replica"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(128), index=True)
+    block_id: Mapped[int] = mapped_column(Integer)
+    worker_id: Mapped[str] = mapped_column(ForeignKey("workers.worker_id", ondelete="CASCADE"), index=True)
+    tier: Mapped[str] = mapped_column(String(8))  # gpu | host | ssd
+    state: Mapped[str] = mapped_column(String(16))  # loading | ready | evicted
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Instance(Base):
+    __tablename__ = "instances"
+
+    instance_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    model: Mapped[str] = mapped_column(String(128), index=True)
+    mode: Mapped[str] = mapped_column(String(16))  # local | pipeline
+    stages: Mapped[list] = mapped_column(Json)  # [{worker_id, block_start, block_end}]
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    scale_op_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    ready_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    stopped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class ScaleOperation(Base):
+    __tablename__ = "scale_operations"
+
+    scale_op_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    model: Mapped[str] = mapped_column(String(128), index=True)
+    direction: Mapped[str] = mapped_column(String(8))  # up | down
+    reason: Mapped[str] = mapped_column(String(512))
+    from_instances: Mapped[int] = mapped_column(Integer)
+    to_instances: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16))
+    plan: Mapped[dict] = mapped_column(Json)
+    timings: Mapped[dict] = mapped_column(Json)  # event -> unix seconds
+    error: Mapped[str | None] = mapped_column(String(2048), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

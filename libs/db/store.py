@@ -1,0 +1,298 @@
+"""The registry's queries and updates, translating between rows and protocol messages."""
+
+import time
+from datetime import UTC, datetime
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from libs.db.engine import make_sessionmaker
+from libs.db.models import BlockReplica, Instance, Model, ModelBlock, ScaleOperation, Worker
+from libs.protocol import messages as m
+
+
+def to_dt(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
+
+
+def to_ts(dt: datetime | None) -> float | None:
+    if dt is None:
+        return None
+    if dt.tzinfo is None:  # SQLite returns naive datetimes; they were stored as UTC
+        dt = dt.replace(tzinfo=UTC)
+    return dt.timestamp()
+
+
+def _worker_info(w: Worker) -> m.WorkerInfo:
+    return m.WorkerInfo(
+        worker_id=w.worker_id,
+        data_address=w.data_address,
+        topology=m.Topology(host=w.host, leaf=w.leaf, scaleup_group=w.scaleup_group, link_gbps=w.link_gbps),
+        capacities=w.capacities,
+        state=w.state,
+        last_heartbeat=to_ts(w.last_heartbeat),
+    )
+
+
+def _model_info(row: Model, blocks: list[ModelBlock]) -> m.ModelInfo:
+    return m.ModelInfo(
+        name=row.name,
+        path=row.path,
+        arch=row.arch,
+        n_layers=row.n_layers,
+        blocks=[
+            m.BlockInfo(block_id=b.block_id, nbytes=b.nbytes, checksum=b.checksum, layer_start=b.layer_start,
+                        layer_end=b.layer_end)
+            for b in sorted(blocks, key=lambda b: b.block_id)
+        ],
+        min_instances=row.min_instances,
+        max_instances=row.max_instances,
+        keep_alive_s=row.keep_alive_s,
+        max_queue=row.max_queue,
+        state=row.state,
+        created_at=to_ts(row.created_at),
+    )
+
+
+def _instance_info(row: Instance) -> m.InstanceInfo:
+    return m.InstanceInfo(
+        instance_id=row.instance_id,
+        model=row.model,
+        mode=row.mode,
+        stages=[m.Stage.model_validate(s) for s in row.stages],
+        state=row.state,
+        created_at=to_ts(row.created_at),
+        ready_at=to_ts(row.ready_at),
+        scale_op_id=row.scale_op_id,
+    )
+
+
+def _scale_op_info(row: ScaleOperation) -> m.ScaleOpInfo:
+    return m.ScaleOpInfo(
+        scale_op_id=row.scale_op_id,
+        model=row.model,
+        direction=row.direction,
+        reason=row.reason,
+        from_instances=row.from_instances,
+        to_instances=row.to_instances,
+        state=row.state,
+        plan=row.plan,
+        timings=row.timings,
+        error=row.error,
+    )
+
+
+class RegistryStore:
+    def __init__(self, engine: AsyncEngine):
+        self.sessions = make_sessionmaker(engine)
+
+    # --- workers -------------------------------------------------------------------
+
+    async def upsert_worker(self, reg: m.RegisterWorker, now: float | None = None) -> m.WorkerInfo:
+        now_dt = to_dt(now or time.time())
+        async with self.sessions.begin() as s:
+            w = await s.get(Worker, reg.worker_id)
+            if w is None:
+                w = Worker(worker_id=reg.worker_id, registered_at=now_dt)
+                s.add(w)
+            w.data_address = reg.data_address
+            w.host, w.leaf = reg.topology.host, reg.topology.leaf
+            w.scaleup_group, w.link_gbps = reg.topology.scaleup_group, reg.topology.link_gbps
+            w.capacities = {str(k): v for k, v in reg.capacities.items()}
+            w.state = "alive"
+            w.last_heartbeat = now_dt
+            await s.flush()
+            return _worker_info(w)
+
+    async def expire_workers(self, older_than: float) -> list[m.WorkerInfo]:
+        """Mark workers whose last heartbeat is older than `older_than` dead, drop
+        their replicas and stop their instances. Returns the newly dead workers."""
+        async with self.sessions.begin() as s:
+            rows = (
+                await s.scalars(
+                    select(Worker).where(Worker.state == "alive", Worker.last_heartbeat < to_dt(older_than))
+                )
+            ).all()
+            dead = [w.worker_id for w in rows]
+            if not dead:
+                return []
+            for w in rows:
+                w.state = "dead"
+            await s.execute(delete(BlockReplica).where(BlockReplica.worker_id.in_(dead)))
+            return [_worker_info(w) for w in rows]
+
+    async def list_workers(self, include_dead: bool = False) -> list[m.WorkerInfo]:
+        async with self.sessions() as s:
+            q = select(Worker).order_by(Worker.worker_id)
+            if not include_dead:
+                q = q.where(Worker.state == "alive")
+            return [_worker_info(w) for w in (await s.scalars(q)).all()]
+
+    # --- models ---------------------------------------------------------------------------
+
+    async def deploy_model(self, req: m.DeployModel) -> m.ModelInfo:
+        async with self.sessions.begin() as s:
+            row = await s.get(Model, req.name)
+            if row is not None and row.state == "deployed":
+                raise ValueError(f"model {req.name!r} is already deployed")
+            await s.execute(delete(ModelBlock).where(ModelBlock.model == req.name))
+            await s.execute(delete(BlockReplica).where(BlockReplica.model == req.name))
+            if row is None:
+                row = Model(name=req.name)
+                s.add(row)
+            row.path, row.arch, row.n_layers = req.path, req.arch, req.n_layers
+            row.n_blocks = len(req.blocks)
+            row.total_bytes = sum(b.nbytes for b in req.blocks)
+            row.min_instances, row.max_instances = req.min_instances, req.max_instances
+            row.keep_alive_s, row.max_queue = req.keep_alive_s, req.max_queue
+            row.state, row.created_at = "deployed", to_dt(time.time())
+            blocks = [ModelBlock(model=req.name, **b.model_dump()) for b in req.blocks]
+            s.add_all(blocks)
+            await s.flush()
+            return _model_info(row, blocks)
+
+    async def get_model(self, name: str) -> m.ModelInfo | None:
+        async with self.sessions() as s:
+            row = await s.get(Model, name)
+            if row is None:
+                return None
+            blocks = (await s.scalars(select(ModelBlock).where(ModelBlock.model == name))).all()
+            return _model_info(row, list(blocks))
+
+    async def list_models(self, include_deleted: bool = False) -> list[m.ModelInfo]:
+        async with self.sessions() as s:
+            q = select(Model).order_by(Model.name)
+            if not include_deleted:
+                q = q.where(Model.state == "deployed")
+            rows = (await s.scalars(q)).all()
+            blocks = (await s.scalars(select(ModelBlock))).all()
+            by_model: dict[str, list[ModelBlock]] = {}
+            for b in blocks:
+                by_model.setdefault(b.model, []).append(b)
+            return [_model_info(r, by_model.get(r.name, [])) for r in rows]
+
+    async def delete_model(self, name: str) -> m.ModelInfo | None:
+        async with self.sessions.begin() as s:
+            row = await s.get(Model, name)
+            if row is None or row.state == "deleted":
+                return None
+            row.state = "deleted"
+        return await self.get_model(name)
+
+    # --- replicas ------------------------------------------------------------------------------
+
+    async def record_block(self, ev: m.BlockEvent) -> None:
+        async with self.sessions.begin() as s:
+            if await s.get(Worker, ev.worker_id) is None:
+                return  # a block report from a worker we never saw: ignore until it registers
+            existing = await s.scalar(
+                select(BlockReplica).where(
+                    BlockReplica.model == ev.model,
+                    BlockReplica.block_id == ev.block_id,
+                    BlockReplica.worker_id == ev.worker_id,
+                    BlockReplica.tier == ev.tier.value,
+                )
+            )
+            if ev.state == m.ReplicaState.evicted:
+                if existing is not None:
+                    await s.delete(existing)
+                return
+            if existing is None:
+                existing = BlockReplica(model=ev.model, block_id=ev.block_id, worker_id=ev.worker_id,
+                                        tier=ev.tier.value)
+                s.add(existing)
+            existing.state = ev.state.value
+            existing.updated_at = to_dt(time.time())
+
+    async def list_replicas(self) -> list[m.ReplicaInfo]:
+        async with self.sessions() as s:
+            rows = (await s.scalars(select(BlockReplica).order_by(BlockReplica.id))).all()
+            return [
+                m.ReplicaInfo(model=r.model, block_id=r.block_id, worker_id=r.worker_id, tier=r.tier, state=r.state)
+                for r in rows
+            ]
+
+    # --- instances --------------------------------------------------------------------------------
+
+    async def create_instance(self, req: m.CreateInstance) -> m.InstanceInfo:
+        async with self.sessions.begin() as s:
+            row = Instance(
+                instance_id=req.instance_id,
+                model=req.model,
+                mode="local" if len(req.stages) == 1 else "pipeline",
+                stages=[st.model_dump() for st in req.stages],
+                state="loading",
+                scale_op_id=req.scale_op_id,
+                created_at=to_dt(time.time()),
+            )
+            s.add(row)
+            await s.flush()
+            return _instance_info(row)
+
+    async def record_instance(self, info: m.InstanceInfo) -> None:
+        """Apply an instance event; stopped/failed is final and never revived."""
+        async with self.sessions.begin() as s:
+            row = await s.get(Instance, info.instance_id)
+            if row is None:
+                row = Instance(instance_id=info.instance_id, model=info.model, mode=info.mode,
+                               stages=[st.model_dump() for st in info.stages], scale_op_id=info.scale_op_id,
+                               created_at=to_dt(info.created_at), state=info.state.value)
+                s.add(row)
+            elif row.state in ("stopped", "failed"):
+                return
+            row.state = info.state.value
+            if info.state == m.InstanceState.ready and row.ready_at is None:
+                row.ready_at = to_dt(info.ready_at or time.time())
+            if info.state in (m.InstanceState.stopped, m.InstanceState.failed):
+                row.stopped_at = to_dt(time.time())
+
+    async def stop_instances_on(self, worker_ids: list[str]) -> list[m.InstanceInfo]:
+        """Instances with a stage on a dead worker are gone: mark them failed."""
+        async with self.sessions.begin() as s:
+            rows = (
+                await s.scalars(select(Instance).where(Instance.state.in_(("loading", "ready", "draining"))))
+            ).all()
+            hit = [r for r in rows if any(st["worker_id"] in worker_ids for st in r.stages)]
+            for r in hit:
+                r.state, r.stopped_at = "failed", to_dt(time.time())
+            return [_instance_info(r) for r in hit]
+
+    async def list_instances(self, live_only: bool = True) -> list[m.InstanceInfo]:
+        async with self.sessions() as s:
+            q = select(Instance).order_by(Instance.created_at)
+            if live_only:
+                q = q.where(Instance.state.in_(("loading", "ready", "draining")))
+            return [_instance_info(r) for r in (await s.scalars(q)).all()]
+
+    # --- scale operations ---------------------------------------------------------------------------
+
+    async def record_scale_op(self, op: m.ScaleOpInfo) -> m.ScaleOpInfo:
+        """Create or update; timings are merged so several reporters can add events."""
+        now = to_dt(time.time())
+        async with self.sessions.begin() as s:
+            row = await s.get(ScaleOperation, op.scale_op_id)
+            if row is None:
+                row = ScaleOperation(scale_op_id=op.scale_op_id, created_at=now, timings={})
+                s.add(row)
+            row.model, row.direction, row.reason = op.model, op.direction, op.reason
+            row.from_instances, row.to_instances = op.from_instances, op.to_instances
+            row.state, row.plan, row.error = op.state, op.plan or row.plan or {}, op.error
+            row.timings = {**(row.timings or {}), **op.timings}
+            row.updated_at = now
+            await s.flush()
+            return _scale_op_info(row)
+
+    async def add_scale_op_timing(self, scale_op_id: str, event: str, at: float) -> None:
+        async with self.sessions.begin() as s:
+            row = await s.get(ScaleOperation, scale_op_id)
+            if row is not None and event not in (row.timings or {}):
+                row.timings = {**(row.timings or {}), event: at}
+
+    async def recent_scale_ops(self, limit: int) -> list[m.ScaleOpInfo]:
+        async with self.sessions() as s:
+            q = select(ScaleOperation).order_by(ScaleOperation.created_at.desc()).limit(limit)
+            return [_scale_op_info(r) for r in (await s.scalars(q)).all()]
+
+    async def mark_worker_dead(self, worker_id: str) -> None:
+        async with self.sessions.begin() as s:
+            await s.execute(update(Worker).where(Worker.worker_id == worker_id).values(state="dead"))

@@ -1,0 +1,193 @@
+"""Executable layer ranges over block buffers.
+
+A LayerRange holds blocks [block_start, block_end) of a block checkpoint as transformers
+modules whose parameters are views over the block buffers (no copy, no deserialization):
+the modules are built on the meta device and their parameters are then pointed at the
+buffers. Only the layers of the range (plus the embedding / final norm + head when the
+range includes the first / last block) are kept.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from libs.checkpoint import CheckpointIndex, block_tensors
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+_MASK_FUNCTIONS = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+}
+
+
+def hf_config(index: CheckpointIndex, attn_implementation: str = "sdpa"):
+    """The transformers config object of a block checkpoint."""
+    model_type = index.config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    config = CONFIG_MAPPING[model_type].from_dict(dict(index.config))
+    config._attn_implementation = attn_implementation
+    return config
+
+
+class LayerRange(nn.Module):
+    """Blocks [block_start, block_end) as one pipeline stage.
+
+    forward(inputs, cache): inputs are token ids [batch, seq] if the range starts at block 0,
+    else hidden states [batch, seq, hidden]; the result is hidden states, or logits
+    [batch, seq, vocab] if the range ends with the last block. The KV cache is per stage;
+    it is indexed by global layer index, so each stage can keep its own.
+    """
+
+    def __init__(
+        self,
+        index: CheckpointIndex,
+        blocks: dict[int, torch.Tensor],
+        block_start: int = 0,
+        block_end: int | None = None,
+        device: str | torch.device | None = None,
+        attn_implementation: str = "sdpa",
+    ):
+        super().__init__()
+        block_end = index.n_blocks if block_end is None else block_end
+        if not 0 <= block_start < block_end <= index.n_blocks:
+            raise ValueError(f"invalid block range [{block_start}, {block_end}) for {index.n_blocks} blocks")
+        missing = [b for b in range(block_start, block_end) if b not in blocks]
+        if missing:
+            raise ValueError(f"blocks {missing} are needed for range [{block_start}, {block_end}) but were not given")
+
+        self.index = index
+        self.block_start, self.block_end = block_start, block_end
+        self.layer_start = index.blocks[block_start].layer_start
+        self.layer_end = index.blocks[block_end - 1].layer_end
+        self.has_embedding = index.blocks[block_start].has_embedding
+        self.has_head = index.blocks[block_end - 1].has_head
+
+        # Buffers live on the execution device; moving one is the only copy made here.
+        if device is None:
+            device = blocks[block_start].device
+        self.device = torch.device(device)
+        self.block_buffers = {b: blocks[b].to(self.device) for b in range(block_start, block_end)}
+
+        config = hf_config(index, attn_implementation)
+        # Skeleton on the meta device: shapes and module code only, no memory.
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        self.config = skeleton.config
+        for b, buf in self.block_buffers.items():
+            for name, view in block_tensors(index, b, buf).items():
+                _assign(skeleton, name, view)
+
+        inner = skeleton.model
+        self.embed_tokens = inner.embed_tokens if self.has_embedding else None
+        self.layers = nn.ModuleList(inner.layers[i] for i in range(self.layer_start, self.layer_end))
+        self.norm = inner.norm if self.has_head else None
+        self.lm_head = skeleton.lm_head if self.has_head else None
+        # Non-persistent buffers (rotary inv_freq) are not in the checkpoint: compute them on the
+        # CPU and move them, as from_pretrained does, so the frequencies match it bit for bit.
+        self.rotary_emb = type(inner.rotary_emb)(config=self.config).to(self.device)
+        del skeleton, inner  # drops the meta layers of other stages
+
+        for name, t in [*self.named_parameters(), *self.named_buffers()]:
+            if t.device.type == "meta":
+                raise ValueError(f"{name} of layers [{self.layer_start}, {self.layer_end}) is not in the blocks")
+        self.dtype = next(self.layers[0].parameters()).dtype
+        self.eval()
+
+        layer_types, _ = get_layer_types_and_kwargs(self.config)
+        self.layer_types = list(layer_types[self.layer_start : self.layer_end])
+        unsupported = set(self.layer_types) - set(_MASK_FUNCTIONS)
+        if unsupported:
+            raise ValueError(f"unsupported attention layer types {sorted(unsupported)}")
+        # The mask for each attention type is sized from the cache of the first layer of
+        # that type *in this range*: earlier layers belong to other stages and stay empty.
+        self._mask_layer = {}
+        for i, lt in enumerate(self.layer_types):
+            self._mask_layer.setdefault(lt, self.layer_start + i)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    def seq_len(self, cache: DynamicCache) -> int:
+        """Tokens already in this stage's part of the cache."""
+        return cache.get_seq_length(self.layer_start)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        cache: DynamicCache,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """Run the range; `logits_to_keep=k > 0` computes the head for the last k positions only."""
+        if self.has_embedding:
+            if inputs.dtype not in (torch.int32, torch.int64):
+                raise TypeError("a range that starts at block 0 takes token ids")
+            hidden = self.embed_tokens(inputs.to(self.device))
+        else:
+            hidden = inputs.to(self.device, self.dtype)
+        if position_ids is None:
+            past = self.seq_len(cache)
+            position_ids = torch.arange(past, past + hidden.shape[1], device=self.device).unsqueeze(0)
+
+        masks = {
+            lt: _MASK_FUNCTIONS[lt](
+                config=self.config,
+                inputs_embeds=hidden,
+                attention_mask=attention_mask,
+                past_key_values=cache,
+                position_ids=position_ids,
+                layer_idx=layer_idx,
+            )
+            for lt, layer_idx in self._mask_layer.items()
+        }
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        for layer, lt in zip(self.layers, self.layer_types):
+            # transformers 5.x decoder layers return the hidden states tensor (not a tuple).
+            hidden = layer(
+                hidden,
+                attention_mask=masks[lt],
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+            )
+        if not self.has_head:
+            return hidden
+        hidden = self.norm(hidden)
+        if logits_to_keep > 0:
+            hidden = hidden[:, -logits_to_keep:, :]
+        return self.lm_head(hidden)
+
+    def extra_repr(self) -> str:
+        return (
+            f"blocks=[{self.block_start}, {self.block_end}), layers=[{self.layer_start}, {self.layer_end}), "
+            f"embedding={self.has_embedding}, head={self.has_head}, device={self.device}"
+        )
+
+
+def _assign(model: nn.Module, name: str, view: torch.Tensor) -> None:
+    """Point parameter (or persistent buffer) `name` of `model` at `view`."""
+    module_path, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_path)
+    except AttributeError:
+        raise ValueError(f"checkpoint tensor {name} has no place in {type(model).__name__}") from None
+    if attr in module._parameters:
+        expected = module._parameters[attr].shape
+        if expected != view.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(view.shape)} != model shape {tuple(expected)}")
+        module._parameters[attr] = nn.Parameter(view, requires_grad=False)
+    elif attr in module._buffers:
+        module._buffers[attr] = view
+    else:
+        raise ValueError(f"checkpoint tensor {name} has no place in {type(model).__name__}")
+

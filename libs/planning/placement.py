@@ -1,0 +1,71 @@
+"""Where a new instance goes and which instances a scale-in removes.
+
+Pure functions over plain data. Locality first (ServerlessLLM §6): a worker
+that already holds a model's blocks in a nearer tier (engine memory, then host
+memory, then its own disk) starts it faster than one that must read the
+shared checkpoint.
+"""
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+# Nearer tiers first; a block held in several tiers counts in its nearest.
+TIER_ORDER = ("gpu", "host", "ssd")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    worker_id: str
+    running_requests: int = 0
+    instances: int = 0  # instances of any model on the worker
+
+
+@dataclass(frozen=True)
+class Held:
+    """A ready block replica: `worker_id` holds `block_id` in `tier`."""
+
+    worker_id: str
+    block_id: int
+    tier: str
+
+
+def locality(block_bytes: Mapping[int, int], held: Iterable[Held], worker_id: str) -> tuple[int, ...]:
+    """Bytes of the model a worker holds per tier, nearest tier first, each block
+    counted once in its nearest tier."""
+    nearest: dict[int, int] = {}
+    for h in held:
+        if h.worker_id == worker_id and h.block_id in block_bytes and h.tier in TIER_ORDER:
+            rank = TIER_ORDER.index(h.tier)
+            nearest[h.block_id] = min(rank, nearest.get(h.block_id, rank))
+    per_tier = [0] * len(TIER_ORDER)
+    for block_id, rank in nearest.items():
+        per_tier[rank] += block_bytes[block_id]
+    return tuple(per_tier)
+
+
+def pick_targets(block_bytes: Mapping[int, int], candidates: Iterable[Candidate], held: Iterable[Held],
+                 n: int) -> list[str]:
+    """Up to `n` distinct workers for new instances: most bytes in the nearest
+    tier first (lexicographic over tiers), then the least busy, then by id so
+    the choice is deterministic."""
+    held = list(held)
+    ranked = sorted(
+        candidates,
+        key=lambda c: (tuple(-b for b in locality(block_bytes, held, c.worker_id)), c.instances,
+                       c.running_requests, c.worker_id),
+    )
+    return [c.worker_id for c in ranked[: max(0, n)]]
+
+
+@dataclass(frozen=True)
+class LiveInstance:
+    instance_id: str
+    state: str  # loading | ready
+    in_flight: int = 0
+
+
+def pick_victims(instances: Iterable[LiveInstance], n: int) -> list[str]:
+    """Up to `n` instances to remove: still-loading ones first (they serve
+    nobody yet), then the least loaded, ties by id."""
+    ranked = sorted(instances, key=lambda i: (i.state != "loading", i.in_flight, i.instance_id))
+    return [i.instance_id for i in ranked[: max(0, n)]]

@@ -1,0 +1,143 @@
+"""The message bus every service uses: a FastStream NATS broker with trace
+propagation, plus typed RPC helpers.
+
+Handlers never see malformed input: `rpc` and `on_event` validate the body
+against the handler's model; a bad message is logged and (for RPCs) answered
+with an `ErrorReply`, and the service carries on.
+"""
+
+import functools
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from faststream.nats import NatsBroker
+from faststream.nats.opentelemetry import NatsTelemetryMiddleware
+from opentelemetry import trace
+from pydantic import BaseModel, ValidationError
+
+from libs.protocol.messages import ErrorReply
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R", bound=BaseModel)
+
+
+class RemoteError(RuntimeError):
+    """An RPC answered with an ErrorReply."""
+
+    def __init__(self, subject: str, reply: ErrorReply):
+        super().__init__(f"{subject}: {reply.code}: {reply.error}")
+        self.code = reply.code
+        self.error = reply.error
+
+
+class DomainError(Exception):
+    """Raised by a handler to answer an RPC with a clean ErrorReply."""
+
+    def __init__(self, message: str, code: str = "invalid"):
+        super().__init__(message)
+        self.code = code
+
+
+def nats_url() -> str:
+    return os.environ.get("NATS_URL", DEFAULT_NATS_URL)
+
+
+def make_broker(url: str | None = None, **kwargs: Any) -> NatsBroker:
+    """A broker whose publishes carry `traceparent` and whose handlers run in the
+    caller's trace (FastStream's OpenTelemetry middleware does both)."""
+    return NatsBroker(
+        url or nats_url(),
+        middlewares=[NatsTelemetryMiddleware(tracer_provider=trace.get_tracer_provider())],
+        logger=logging.getLogger("layercast.bus"),
+        log_level=logging.DEBUG,
+        max_reconnect_attempts=-1,
+        **kwargs,
+    )
+
+
+async def start_broker(broker: NatsBroker) -> None:
+    """Start and wait until the server has our subscriptions: without the flush
+    a request sent right after start-up can find no responder."""
+    await broker.start()
+    await broker._connection.flush()
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "body"
+    return f"{where}: {first['msg']} ({error.error_count()} error(s))"
+
+
+def rpc(model: type[M]) -> Callable[[Callable[[M], Awaitable[BaseModel]]], Callable[..., Awaitable[dict]]]:
+    """Wrap an RPC handler `async def h(req: model) -> BaseModel` for `broker.subscriber`."""
+
+    def wrap(handler: Callable[[M], Awaitable[BaseModel]]) -> Callable[..., Awaitable[dict]]:
+        @functools.wraps(handler)
+        async def wrapper(body: Any) -> dict:
+            try:
+                request = model.model_validate(body)
+            except ValidationError as e:
+                log.warning("rejected malformed %s: %s", model.__name__, _describe(e))
+                return ErrorReply(error=f"malformed {model.__name__}: {_describe(e)}").model_dump(mode="json")
+            try:
+                reply = await handler(request)
+            except DomainError as e:
+                return ErrorReply(error=str(e), code=e.code).model_dump(mode="json")
+            except Exception as e:  # a bug must not take the service down
+                log.exception("handler %s failed", handler.__name__)
+                return ErrorReply(error=f"internal error: {e}", code="internal").model_dump(mode="json")
+            return reply.model_dump(mode="json")
+
+        # FastStream reads the signature: take the raw decoded body.
+        wrapper.__annotations__ = {"body": Any, "return": dict}
+        del wrapper.__wrapped__
+        return wrapper
+
+    return wrap
+
+
+def on_event(model: type[M]) -> Callable[[Callable[[M], Awaitable[None]]], Callable[..., Awaitable[None]]]:
+    """Wrap an event handler; malformed events are logged and dropped."""
+
+    def wrap(handler: Callable[[M], Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+        @functools.wraps(handler)
+        async def wrapper(body: Any) -> None:
+            try:
+                event = model.model_validate(body)
+            except ValidationError as e:
+                log.warning("dropped malformed %s: %s", model.__name__, _describe(e))
+                return
+            try:
+                await handler(event)
+            except Exception:
+                log.exception("event handler %s failed", handler.__name__)
+
+        wrapper.__annotations__ = {"body": Any, "return": None}
+        del wrapper.__wrapped__
+        return wrapper
+
+    return wrap
+
+
+async def call(broker: NatsBroker, subject: str, request: BaseModel, reply_model: type[R], timeout: float = 5.0) -> R:
+    """Typed request/reply; raises RemoteError on an ErrorReply, TimeoutError when nobody answers."""
+    try:
+        response = await broker.request(request.model_dump(mode="json"), subject, timeout=timeout)
+    except Exception as e:
+        if type(e).__name__ in ("TimeoutError", "NoRespondersError"):
+            raise TimeoutError(f"no answer on {subject} within {timeout}s") from e
+        raise
+    body = await response.decode()
+    if isinstance(body, dict) and "error" in body and "code" in body:
+        raise RemoteError(subject, ErrorReply.model_validate(body))
+    return reply_model.model_validate(body)
+
+
+async def publish(broker: NatsBroker, subject: str, event: BaseModel) -> None:
+    await broker.publish(event.model_dump(mode="json"), subject)

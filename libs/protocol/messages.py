@@ -1,0 +1,347 @@
+"""Message schemas exchanged over NATS (subjects in `subjects.py`).
+
+Every message carries `version` so a service can reject a schema it does not
+understand instead of misreading it. Unknown fields are ignored (forward
+compatibility); missing or mistyped required fields are a validation error.
+"""
+
+import time
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, RootModel
+
+PROTOCOL_VERSION = 1
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=False)
+    version: Literal[1] = PROTOCOL_VERSION
+
+
+class Tier(StrEnum):
+    """Where a block replica lives. `gpu` is engine memory (device memory, or
+    the CPU engine's own memory on CPU-only workers)."""
+
+    gpu = "gpu"
+    host = "host"
+    ssd = "ssd"
+
+
+class ReplicaState(StrEnum):
+    loading = "loading"
+    ready = "ready"
+    evicted = "evicted"
+
+
+class InstanceState(StrEnum):
+    loading = "loading"
+    ready = "ready"
+    draining = "draining"
+    stopped = "stopped"
+    failed = "failed"
+
+
+class ModelState(StrEnum):
+    deployed = "deployed"
+    deleted = "deleted"
+
+
+# --- RPC envelope -------------------------------------------------------------------
+
+
+class ErrorReply(Message):
+    """Any RPC may answer this instead of its reply model."""
+
+    error: str
+    code: Literal["invalid", "not_found", "conflict", "unavailable", "internal"] = "invalid"
+
+
+# --- workers --------------------------------------------------------------------------
+
+
+class Topology(BaseModel):
+    host: str
+    leaf: str = "leaf-0"
+    scaleup_group: str = ""
+    link_gbps: float = Field(default=10.0, gt=0)
+
+
+class RegisterWorker(Message):
+    worker_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-]+$")
+    data_address: str  # host:port of the data plane
+    topology: Topology
+    # tier name -> capacity in bytes
+    capacities: dict[Tier, int]
+
+
+class WorkerInfo(Message):
+    worker_id: str
+    data_address: str
+    topology: Topology
+    capacities: dict[Tier, int]
+    state: Literal["alive", "dead"]
+    last_heartbeat: float
+
+
+class Heartbeat(RegisterWorker):
+    """Sent every heartbeat interval; carries the registration so a registry
+    that lost (or expired) the worker re-admits it without a round trip."""
+
+    sent_at: float = Field(default_factory=time.time)
+    instances: list[str] = []
+    running_requests: int = 0
+
+
+class WorkerExpired(Message):
+    worker_id: str
+    last_heartbeat: float
+
+
+# --- models -----------------------------------------------------------------------------
+
+
+class BlockInfo(BaseModel):
+    block_id: int = Field(ge=0)
+    nbytes: int = Field(ge=0)
+    checksum: str
+    layer_start: int
+    layer_end: int
+
+
+class DeployModel(Message):
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-/]+$")
+    path: str
+    arch: str
+    n_layers: int = Field(ge=1)
+    blocks: list[BlockInfo] = Field(min_length=1)
+    min_instances: int = Field(default=0, ge=0)
+    max_instances: int = Field(default=4, ge=1)
+    keep_alive_s: float = Field(default=60.0, ge=0)
+    max_queue: int = Field(default=256, ge=1)
+
+
+class ModelInfo(DeployModel):
+    state: ModelState
+    created_at: float
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+
+class ModelRef(Message):
+    name: str
+
+
+class ListModels(Message):
+    include_deleted: bool = False
+
+
+class ModelList(Message):
+    models: list[ModelInfo]
+
+
+class ModelEvent(Message):
+    kind: Literal["deployed", "deleted"]
+    model: ModelInfo
+
+
+# --- replicas, instances, scale operations -----------------------------------------------------
+
+
+class ReplicaInfo(BaseModel):
+    model: str
+    block_id: int
+    worker_id: str
+    tier: Tier
+    state: ReplicaState
+
+
+class BlockEvent(Message):
+    """A worker's block replica changed: arrived (ready), started loading, or evicted."""
+
+    model: str
+    block_id: int
+    worker_id: str
+    tier: Tier
+    state: ReplicaState
+    nbytes: int = 0
+    seconds: float = 0.0  # time the load/transfer of this block took
+    scale_op_id: str | None = None
+
+
+class Stage(BaseModel):
+    """One stage of an instance: a worker running blocks [block_start, block_end)."""
+
+    worker_id: str
+    block_start: int
+    block_end: int
+
+
+class InstanceInfo(Message):
+    instance_id: str
+    model: str
+    mode: Literal["local", "pipeline"] = "local"
+    stages: list[Stage]
+    state: InstanceState
+    created_at: float
+    ready_at: float | None = None
+    scale_op_id: str | None = None
+
+    @property
+    def entry_worker(self) -> str:
+        return self.stages[0].worker_id
+
+
+class CreateInstance(Message):
+    instance_id: str
+    model: str
+    stages: list[Stage] = Field(min_length=1)
+    scale_op_id: str | None = None
+
+
+class InstanceEvent(Message):
+    instance: InstanceInfo
+    reason: str = ""
+
+
+class ScaleOpInfo(Message):
+    scale_op_id: str
+    model: str
+    direction: Literal["up", "down"]
+    reason: str
+    from_instances: int
+    to_instances: int
+    state: Literal["planned", "running", "done", "failed", "aborted"]
+    plan: dict = {}
+    # event name -> unix time: decided, first_byte, block:<worker>:<id>, ready:<instance>, done
+    timings: dict[str, float] = {}
+    error: str | None = None
+
+
+class RecordScaleOp(ScaleOpInfo):
+    pass
+
+
+class GetCluster(Message):
+    include_dead: bool = False
+    recent_scale_ops: int = Field(default=20, ge=0, le=1000)
+
+
+class ClusterView(Message):
+    workers: list[WorkerInfo]
+    models: list[ModelInfo]
+    replicas: list[ReplicaInfo]
+    instances: list[InstanceInfo]
+    scale_ops: list[ScaleOpInfo]
+
+
+# --- worker commands --------------------------------------------------------------------------
+
+
+class LoadModel(Message):
+    """Planner -> worker: become (part of) an instance by loading blocks from
+    the nearest tier the worker has them in (gpu > host > ssd)."""
+
+    op: Literal["load"] = "load"
+    instance_id: str
+    model: str
+    path: str
+    block_start: int
+    block_end: int
+    scale_op_id: str | None = None
+
+
+class UnloadModel(Message):
+    """Planner -> worker: stop serving an instance once in-flight requests end.
+    Blocks stay in the host tier (bounded cache) so a later start is warm."""
+
+    op: Literal["unload"] = "unload"
+    instance_id: str
+    drain_timeout_s: float = 30.0
+    scale_op_id: str | None = None
+
+
+class WorkerCommand(RootModel[Annotated[LoadModel | UnloadModel, Field(discriminator="op")]]):
+    """What arrives on subjects.worker_command(...): a LoadModel or an UnloadModel."""
+
+
+class CommandAck(Message):
+    accepted: bool
+    detail: str = ""
+
+
+# --- generation ---------------------------------------------------------------------------------
+
+
+class SamplingSpec(BaseModel):
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=16, ge=1)
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+
+
+class GenerateRequest(Message):
+    request_id: str
+    instance_id: str
+    model: str
+    prompt_ids: list[int] = Field(min_length=1)
+    sampling: SamplingSpec
+    reply_subject: str
+
+
+class GenerateAccepted(Message):
+    request_id: str
+    queued: int = 0
+
+
+class CancelRequest(Message):
+    request_id: str
+
+
+class TokenEvent(Message):
+    request_id: str
+    index: int  # 0-based position in the completion; lets the gateway detect loss
+    token_id: int | None = None
+    finished: bool = False
+    finish_reason: Literal["stop", "length", "cancelled", "error"] | None = None
+    prompt_tokens: int = 0
+    error: str | None = None
+
+
+# --- metrics and scaling -------------------------------------------------------------------------
+
+
+class ModelLoad(BaseModel):
+    model: str
+    queued: int = Field(ge=0)  # waiting at the gateway for an instance slot
+    in_flight: int = Field(ge=0)  # dispatched to an instance, not finished
+    arrivals: int = Field(ge=0)  # new requests since the previous report
+    ready_instances: int = Field(ge=0)
+    last_request_at: float | None = None
+    ttft_s: list[float] = []  # samples since the previous report
+
+
+class GatewayMetrics(Message):
+    gateway_id: str
+    sent_at: float = Field(default_factory=time.time)
+    models: list[ModelLoad]
+
+
+class WorkerMetrics(Message):
+    worker_id: str
+    sent_at: float = Field(default_factory=time.time)
+    running_requests: int = 0
+    tokens_per_s: float = 0.0
+    instances: list[str] = []
+
+
+class ScaleRequest(Message):
+    """Desired state, not a delta: repeating it is harmless, the planner reconciles."""
+
+    model: str
+    desired_instances: int = Field(ge=0)
+    reason: str
+    sent_at: float = Field(default_factory=time.time)

@@ -1,0 +1,88 @@
+"""Every NATS subject layercast uses, in one place: read top to bottom to see
+the whole conversation between services.
+
+Kinds:
+- RPC: core NATS request/reply; the request and reply models are named beside it.
+- EVENT: publish/subscribe, fire and forget; every service may listen.
+- STREAM: per-request token streams (core NATS, one subject per request).
+
+Bulk bytes (blocks, activations) never travel over NATS: see libs/transfer.
+"""
+
+import os
+import re
+
+
+def _namespace() -> str:
+    """Subject prefix; LAYERCAST_NAMESPACE lets several clusters (or test runs) share one NATS."""
+    ns = os.environ.get("LAYERCAST_NAMESPACE", "layercast")
+    if not re.fullmatch(r"[A-Za-z0-9_\-]+", ns):
+        raise ValueError(f"LAYERCAST_NAMESPACE={ns!r} must be one NATS token: letters, digits, '_' or '-'")
+    return ns
+
+
+PREFIX = _namespace()
+
+# --- registry (the only service with a database) -----------------------------
+# RPC RegisterWorker -> WorkerInfo
+REGISTRY_WORKER_REGISTER = f"{PREFIX}.registry.worker.register"
+# RPC DeployModel -> ModelInfo
+REGISTRY_MODEL_DEPLOY = f"{PREFIX}.registry.model.deploy"
+# RPC ModelRef -> ModelInfo
+REGISTRY_MODEL_GET = f"{PREFIX}.registry.model.get"
+# RPC ListModels -> ModelList
+REGISTRY_MODEL_LIST = f"{PREFIX}.registry.model.list"
+# RPC ModelRef -> ModelInfo (state "deleted"); planner then scales it to zero
+REGISTRY_MODEL_DELETE = f"{PREFIX}.registry.model.delete"
+# RPC GetCluster -> ClusterView (workers, replicas, instances, recent scale ops)
+REGISTRY_CLUSTER = f"{PREFIX}.registry.cluster"
+# RPC CreateInstance -> InstanceInfo (planner records a loading instance)
+REGISTRY_INSTANCE_CREATE = f"{PREFIX}.registry.instance.create"
+# RPC RecordScaleOp -> ScaleOpInfo (planner records / updates a scale operation)
+REGISTRY_SCALEOP_RECORD = f"{PREFIX}.registry.scaleop.record"
+
+# --- events -----------------------------------------------------------------
+# EVENT Heartbeat (worker -> registry; also upserts the worker's registration)
+EVENT_HEARTBEAT = f"{PREFIX}.events.worker.heartbeat"
+# EVENT WorkerExpired (registry -> planner, gateway) when heartbeats stop
+EVENT_WORKER_EXPIRED = f"{PREFIX}.events.worker.expired"
+# EVENT ModelEvent (registry -> gateway, planner, load-monitor): deployed / deleted
+EVENT_MODEL = f"{PREFIX}.events.model"
+# EVENT InstanceEvent (worker, planner -> registry, gateway, planner, load-monitor)
+EVENT_INSTANCE = f"{PREFIX}.events.instance"
+# EVENT BlockEvent (worker -> registry, planner): a block replica changed tier/state
+EVENT_BLOCK = f"{PREFIX}.events.block"
+
+# --- metrics and scaling ------------------------------------------------------
+# EVENT GatewayMetrics (gateway -> load-monitor), periodic and on demand changes
+METRICS_GATEWAY = f"{PREFIX}.metrics.gateway"
+# EVENT WorkerMetrics (worker -> load-monitor), periodic
+METRICS_WORKER = f"{PREFIX}.metrics.worker"
+# EVENT ScaleRequest (load-monitor -> planner): desired instances for a model
+SCALE_REQUEST = f"{PREFIX}.scale.request"
+
+
+# --- per worker ---------------------------------------------------------------
+def worker_command(worker_id: str) -> str:
+    """RPC LoadModel | UnloadModel -> CommandAck (planner -> worker)."""
+    return f"{PREFIX}.worker.{worker_id}.command"
+
+
+def worker_generate(worker_id: str) -> str:
+    """RPC GenerateRequest -> GenerateAccepted (gateway -> worker); tokens follow on `tokens(...)`."""
+    return f"{PREFIX}.worker.{worker_id}.generate"
+
+
+def worker_cancel(worker_id: str) -> str:
+    """EVENT CancelRequest (gateway -> worker): client went away or a stop string matched."""
+    return f"{PREFIX}.worker.{worker_id}.cancel"
+
+
+# --- token streams ---------------------------------------------------------------
+def tokens(gateway_id: str, request_id: str) -> str:
+    """STREAM TokenEvent (worker -> the gateway that owns the request)."""
+    return f"{PREFIX}.tokens.{gateway_id}.{request_id}"
+
+
+def tokens_wildcard(gateway_id: str) -> str:
+    return f"{PREFIX}.tokens.{gateway_id}.*"

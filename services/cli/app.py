@@ -1,0 +1,194 @@
+"""Top-level typer app: cluster lifecycle (`up`, `down`, `status`), models
+(`model create-demo|convert|deploy`), benchmarks (`bench ...`)."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from services.cli.bench import bench_app
+from services.cli.cluster import ClusterError, ClusterSpec, ClusterState, cluster_status, start_cluster, stop_cluster
+
+app = typer.Typer(help="layercast: serverless LLM inference by block multicast.", no_args_is_help=True)
+model_app = typer.Typer(help="Create, convert and deploy models.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+app.add_typer(bench_app, name="bench")
+console = Console()
+
+DEFAULT_STATE_DIR = Path(".layercast")
+StateDir = typer.Option(DEFAULT_STATE_DIR, "--state-dir", help="Where the cluster keeps its state and logs.")
+
+
+def _fail(message: str) -> None:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(1)
+
+
+@model_app.command("create-demo")
+def create_demo(out_dir: Path, preset: str = typer.Option("tiny", help="tiny | small | 100m"),
+                arch: str = typer.Option("llama", help="llama | qwen2"), seed: int = 0) -> None:
+    """Write a random-weight Hugging Face checkpoint with a locally built tokenizer."""
+    from libs.checkpoint import create_demo_checkpoint
+
+    try:
+        path = create_demo_checkpoint(out_dir, preset=preset, arch=arch, seed=seed)
+    except ValueError as e:
+        _fail(str(e))
+    console.print(f"demo checkpoint ({arch}, {preset}) written to {path}")
+
+
+@model_app.command("convert")
+def convert(hf_dir: Path, out_dir: Path, blocks: int = typer.Option(..., "--blocks", help="Number of blocks.")) -> None:
+    """Pack a Hugging Face checkpoint into layercast's block format."""
+    from libs.checkpoint import convert_checkpoint
+
+    try:
+        index = convert_checkpoint(hf_dir, out_dir, blocks)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    table = Table("block", "layers", "bytes", "checksum")
+    for b in index.blocks:
+        extra = "+emb" if b.has_embedding else ""
+        extra += "+head" if b.has_head else ""
+        table.add_row(str(b.id), f"[{b.layer_start},{b.layer_end}){extra}", f"{b.nbytes:,}", b.checksum)
+    console.print(table)
+    console.print(f"{index.arch}: {index.n_layers} layers in {index.n_blocks} blocks at {out_dir}")
+
+
+def _admin(state: ClusterState, method: str, path: str, body: dict | None = None) -> httpx.Response:
+    return httpx.request(method, state.gateway_url + path, json=body, timeout=30,
+                         headers={"Authorization": f"Bearer {state.admin_key}"})
+
+
+def deploy_model(state: ClusterState, name: str, path: Path, min_instances: int = 0, max_instances: int = 4,
+                 keep_alive_s: float = 60.0) -> dict:
+    r = _admin(state, "POST", "/admin/v1/models", {
+        "name": name, "path": str(path.resolve()), "min_instances": min_instances, "max_instances": max_instances,
+        "keep_alive_s": keep_alive_s})
+    if r.status_code == 409:
+        return _admin(state, "GET", f"/admin/v1/models/{name}").json()
+    if r.status_code >= 400:
+        raise ClusterError(r.json().get("error", {}).get("message", r.text))
+    return r.json()
+
+
+@model_app.command("deploy")
+def deploy(name: str, path: Path, min_instances: int = 0, max_instances: int = 4, keep_alive: float = 60.0,
+           state_dir: Path = StateDir) -> None:
+    """Deploy a converted checkpoint on the running cluster (admin API)."""
+    try:
+        info = deploy_model(ClusterState.load(state_dir), name, path, min_instances, max_instances, keep_alive)
+    except (ClusterError, httpx.HTTPError) as e:
+        _fail(str(e))
+    console.print(f"deployed {info['name']} ({len(info['blocks'])} blocks) from {info['path']}")
+
+
+def _demo_checkpoint(state_dir: Path, preset: str, blocks: int) -> Path:
+    from libs.checkpoint import convert_checkpoint, create_demo_checkpoint, is_block_checkpoint
+
+    hf, out = state_dir / "models" / f"demo-{preset}-hf", state_dir / "models" / f"demo-{preset}"
+    if not is_block_checkpoint(out):
+        with console.status(f"building the demo model ({preset}, random weights)"):
+            if not (hf / "config.json").exists():
+                create_demo_checkpoint(hf, preset=preset, arch="llama", seed=0)
+            convert_checkpoint(hf, out, blocks)
+    return out
+
+
+def _print_welcome(state: ClusterState) -> None:
+    url, key = state.gateway_url, state.api_key
+    print(f"""
+layercast is up
+  gateway   {url}   (API key: {key}, admin key: {state.admin_key})
+  logs      {state.state_dir}/logs/
+  The demo model has random weights: it answers with fluent nonsense.
+
+  curl {url}/v1/completions -H "Authorization: Bearer {key}" \\
+       -H "Content-Type: application/json" -d '{{"model": "demo", "prompt": "Hello", "max_tokens": 16}}'
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{key}'); \\
+print(c.chat.completions.create(model='demo', messages=[{{'role': 'user', 'content': 'Hi'}}], \\
+max_tokens=16).choices[0].message.content)"
+""", flush=True)
+
+
+@app.command()
+def up(workers: int = typer.Option(2, help="Number of worker processes."),
+       port: int = typer.Option(8000, help="Gateway HTTP port."),
+       api_key: str = typer.Option("sk-layercast-dev", envvar="LAYERCAST_API_KEY"),
+       admin_key: str = typer.Option("sk-layercast-admin", envvar="LAYERCAST_ADMIN_KEY"),
+       state_dir: Path = StateDir,
+       demo: bool = typer.Option(False, help="Build and deploy the demo model."),
+       demo_preset: str = typer.Option("small", help="tiny | small | 100m"),
+       demo_blocks: int = typer.Option(4, help="Blocks of the demo model."),
+       detach: bool = typer.Option(False, help="Return once healthy; stop it with 'layercast down'."),
+       torch_threads: int = typer.Option(1, help="Torch threads per worker.")) -> None:
+    """Start a dev cluster: NATS, database, the five services and N workers."""
+    state_dir = state_dir.resolve()
+    try:
+        existing = ClusterState.load(state_dir)
+        if any(p["alive"] for p in cluster_status(state_dir)["processes"]):
+            _fail(f"a cluster is already running from {state_dir} ({existing.gateway_url}); 'layercast down' first")
+    except ClusterError:
+        pass
+    spec = ClusterSpec(state_dir=state_dir, port=port, api_key=api_key, admin_key=admin_key, workers=workers,
+                       nats_url=os.environ.get("NATS_URL"), database_url=os.environ.get("DATABASE_URL"),
+                       namespace=os.environ.get("LAYERCAST_NAMESPACE", "layercast"), torch_threads=torch_threads)
+    try:
+        model_path = _demo_checkpoint(state_dir, demo_preset, demo_blocks) if demo else None
+        with console.status(f"starting NATS, database, services and {workers} workers"):
+            state = start_cluster(spec)
+    except ClusterError as e:
+        _fail(str(e))
+    try:
+        if model_path is not None:
+            deploy_model(state, "demo", model_path, min_instances=0, max_instances=workers, keep_alive_s=300)
+    except (ClusterError, httpx.HTTPError) as e:
+        stop_cluster(state_dir)
+        _fail(f"deploying the demo model failed: {e}")
+    _print_welcome(state)
+    if detach:
+        return
+    console.print("Press Ctrl-C to stop.")
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        with console.status("stopping"):
+            stop_cluster(state_dir)
+        console.print("stopped")
+
+
+@app.command()
+def down(state_dir: Path = StateDir) -> None:
+    """Stop a cluster started with `layercast up --detach`."""
+    try:
+        stop_cluster(state_dir.resolve())
+    except ClusterError as e:
+        _fail(str(e))
+    console.print("stopped")
+
+
+@app.command()
+def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show the processes of the running cluster and their health."""
+    try:
+        info = cluster_status(state_dir.resolve())
+    except ClusterError as e:
+        _fail(str(e))
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    table = Table("process", "pid", "alive", "healthy", "log")
+    for p in info["processes"]:
+        table.add_row(p["name"], str(p["pid"]), "yes" if p["alive"] else "[red]no[/red]",
+                      "yes" if p["healthy"] else "[red]no[/red]", p["log"])
+    console.print(f"gateway {info['gateway_url']}  nats {info['nats_url']}  db {info['database_url']}")
+    console.print(table)

@@ -1,0 +1,1 @@
+"""Wiring shared by every service process: start-up, health endpoint, shutdown."""

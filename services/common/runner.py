@@ -1,0 +1,52 @@
+"""Runs one service process: telemetry, broker, health endpoint, signal handling."""
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+from libs.telemetry import HealthServer, setup_logging, setup_tracing
+
+log = logging.getLogger(__name__)
+
+
+class Service:
+    """A service is `start()` (connect, subscribe), `stop()` and `healthy()`."""
+
+    name: str = "service"
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def healthy(self) -> bool:
+        return True
+
+
+async def serve(service: Service, health_host: str, health_port: int | None,
+                ready_hook: Callable[[int], Awaitable[None]] | None = None) -> None:
+    """Run until SIGINT/SIGTERM. A health port of None means no health endpoint."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    health = None
+    if health_port is not None:
+        health = HealthServer(health_host, health_port, service.healthy)
+        port = await health.start()
+        log.info("%s health and metrics on http://%s:%d", service.name, health_host, port)
+    await service.start()
+    if ready_hook:
+        await ready_hook(health.port if health else 0)
+    await stop.wait()
+    log.info("%s stopping", service.name)
+    await service.stop()
+    if health:
+        await health.stop()
+
+
+def run(service_factory: Callable[[], Service], health_host: str, health_port: int | None) -> None:
+    service = service_factory()
+    setup_logging(service.name)
+    setup_tracing(service.name)
+    asyncio.run(serve(service, health_host, health_port))

@@ -1,0 +1,40 @@
+"""`python -m services.gateway`: run the HTTP gateway."""
+
+import argparse
+import os
+
+import uvicorn
+
+from libs.telemetry import setup_logging, setup_tracing
+from services.gateway.app import create_app
+from services.gateway.service import GatewayConfig, GatewayService
+
+
+def _keys(value: str | None, name: str) -> list[str]:
+    keys = [k.strip() for k in (value or "").split(",") if k.strip()]
+    if not keys:
+        raise SystemExit(f"set {name} (comma-separated keys)")
+    return keys
+
+
+def main() -> None:
+    env = os.environ.get
+    p = argparse.ArgumentParser(description="layercast gateway")
+    p.add_argument("--host", default=env("LAYERCAST_GATEWAY_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("LAYERCAST_GATEWAY_PORT", "8000")))
+    p.add_argument("--queue-timeout", type=float, default=float(env("LAYERCAST_QUEUE_TIMEOUT", "120")))
+    p.add_argument("--slots-per-instance", type=int, default=int(env("LAYERCAST_SLOTS_PER_INSTANCE", "32")))
+    p.add_argument("--max-context", type=int, default=int(env("LAYERCAST_MAX_CONTEXT", "2048")))
+    a = p.parse_args()
+    setup_logging("gateway")
+    setup_tracing("gateway")
+    config = GatewayConfig(queue_timeout_s=a.queue_timeout, slots_per_instance=a.slots_per_instance,
+                           max_context=a.max_context)
+    app = create_app(GatewayService(config), _keys(env("LAYERCAST_API_KEYS"), "LAYERCAST_API_KEYS"),
+                     _keys(env("LAYERCAST_ADMIN_KEYS"), "LAYERCAST_ADMIN_KEYS"))
+    uvicorn.run(app, host=a.host, port=a.port, log_level=env("LAYERCAST_LOG_LEVEL", "info").lower(),
+                timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""HTTP layer of the gateway: the OpenAI-compatible API, the admin API,
+`/health` and `/metrics`."""
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from libs.checkpoint import CheckpointIndex, is_block_checkpoint
+from libs.protocol import messages as m
+from libs.protocol import subjects
+from libs.protocol.bus import RemoteError, call
+from services.gateway.errors import APIError
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, DeployRequest
+from services.gateway.service import GatewayService, Generation, ModelEntry
+
+REQUESTS = Counter("layercast_gateway_requests_total", "HTTP requests", ["endpoint", "status"])
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _check_key(request: Request, keys: list[str], what: str) -> None:
+    token = _bearer(request)
+    if token is None:
+        raise APIError(401, f"Missing {what} key: send 'Authorization: Bearer <key>'", code="missing_api_key")
+    if not any(secrets.compare_digest(token, k) for k in keys):
+        raise APIError(401, f"Incorrect {what} key provided", code="invalid_api_key")
+
+
+def _param(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    # pydantic reports union members (e.g. 'str', 'list[str]'): keep the field path only
+    return ".".join(p for p in parts if not any(c in p for c in "[]") and p not in ("str", "int")) or "body"
+
+
+def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[str]) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await service.start()
+        yield
+        await service.stop()
+
+    app = FastAPI(title="layercast gateway", version="0.1.0", lifespan=lifespan)
+
+    def api_key(request: Request) -> None:
+        _check_key(request, api_keys, "API")
+
+    def admin_key(request: Request) -> None:
+        _check_key(request, admin_keys, "admin")
+
+    # --- errors: always OpenAI-shaped JSON -----------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(_r: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_r: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0]
+        if first.get("type") == "json_invalid":
+            return APIError(400, "The request body is not valid JSON", code="invalid_json").response()
+        param = _param(tuple(first.get("loc", ())))
+        msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+        return APIError(400, f"Invalid value for '{param}': {msg}", param=param, code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_r: Request, e: StarletteHTTPException) -> JSONResponse:
+        return APIError(e.status_code, str(e.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_r: Request, e: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {type(e).__name__}").response()
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next):
+        response = await call_next(request)
+        route = request.scope.get("route")
+        REQUESTS.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
+        return response
+
+    # --- operations ----------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = service.healthy()
+        return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    # --- OpenAI API ----------------------------------------------------------------------------------
+    @app.get("/v1/models", dependencies=[Depends(api_key)])
+    async def list_models() -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(e.info.created_at), "owned_by": "layercast"}
+            for name, e in sorted(service.models.items())]}
+
+    @app.get("/v1/models/{name:path}", dependencies=[Depends(api_key)])
+    async def get_model(name: str) -> dict:
+        e = service.entry(name)
+        return {"id": name, "object": "model", "created": int(e.info.created_at), "owned_by": "layercast"}
+
+    def sampling(entry: ModelEntry, body, prompt_len: int, max_tokens: int | None, param: str) -> m.SamplingSpec:
+        return m.SamplingSpec(
+            temperature=body.temperature, top_p=body.top_p,
+            max_tokens=service.resolve_max_tokens(entry, prompt_len, max_tokens, param),
+            seed=body.seed, stop_token_ids=entry.eos_ids)
+
+    @app.post("/v1/completions", dependencies=[Depends(api_key)])
+    async def completions(body: CompletionRequest) -> Response:
+        entry = service.entry(body.model)
+        if isinstance(body.prompt, str):
+            prompt_ids = entry.tokenizer(body.prompt).input_ids
+        else:
+            vocab = len(entry.tokenizer)
+            if any(t < 0 or t >= vocab for t in body.prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            prompt_ids = list(body.prompt)
+        spec = sampling(entry, body, len(prompt_ids), body.max_tokens, "max_tokens")
+        gen = await service.start_generation(entry, prompt_ids, spec, body.stop)
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        prefix = body.prompt if (body.echo and isinstance(body.prompt, str)) else ""
+
+        def chunk(text: str, finish: str | None) -> dict:
+            return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+        if body.stream:
+            async def events() -> AsyncIterator[dict]:
+                if prefix:
+                    yield chunk(prefix, None)
+                async for p in gen:
+                    yield chunk(p.text, p.finish_reason)
+                if body.stream_options and body.stream_options.include_usage:
+                    yield {**chunk("", None), "choices": [], "usage": _usage(gen)}
+            return _sse(gen, events())
+        text, finish = await _collect(gen)
+        return JSONResponse({**chunk(prefix + text, finish), "usage": _usage(gen)})
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(api_key)])
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        entry = service.entry(body.model)
+        messages = [{"role": msg.role if msg.role != "developer" else "system", "content": msg.text()}
+                    for msg in body.messages]
+        try:
+            rendered = entry.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:
+            raise APIError(400, f"cannot apply the model's chat template: {e}", param="messages") from e
+        prompt_ids = entry.tokenizer(rendered, add_special_tokens=False).input_ids
+        requested = body.max_completion_tokens or body.max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        spec = sampling(entry, body, len(prompt_ids), requested, param)
+        gen = await service.start_generation(entry, prompt_ids, spec, body.stop)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(delta: dict, finish: str | None) -> dict:
+            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        if body.stream:
+            async def events() -> AsyncIterator[dict]:
+                yield chunk({"role": "assistant", "content": ""}, None)
+                async for p in gen:
+                    yield chunk({"content": p.text} if p.text else {}, p.finish_reason)
+                if body.stream_options and body.stream_options.include_usage:
+                    yield {**chunk({}, None), "choices": [], "usage": _usage(gen)}
+            return _sse(gen, events())
+        text, finish = await _collect(gen)
+        return JSONResponse({
+            "id": cid, "object": "chat.completion", "created": created, "model": body.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish}],
+            "usage": _usage(gen)})
+
+    # --- admin API --------------------------------------------------------------------------------------
+    @app.post("/admin/v1/models", dependencies=[Depends(admin_key)], status_code=201)
+    async def deploy(body: DeployRequest) -> JSONResponse:
+        path = Path(body.path).expanduser().resolve()
+        if not path.is_dir():
+            raise APIError(400, f"path {body.path!r} is not a directory", param="path")
+        if not is_block_checkpoint(path):
+            raise APIError(400, f"{body.path!r} is not a converted layercast checkpoint: run "
+                           "'layercast model convert HF_DIR OUT_DIR --blocks B' first", param="path")
+        if body.min_instances > body.max_instances:
+            raise APIError(400, "min_instances must not exceed max_instances", param="min_instances")
+        try:
+            index = await asyncio.to_thread(CheckpointIndex.load, path)
+        except Exception as e:
+            raise APIError(400, f"cannot read the checkpoint index: {e}", param="path") from e
+        req = m.DeployModel(
+            name=body.name, path=str(path), arch=index.arch, n_layers=index.n_layers,
+            blocks=[m.BlockInfo(block_id=b.id, nbytes=b.nbytes, checksum=b.checksum, layer_start=b.layer_start,
+                                layer_end=b.layer_end) for b in index.blocks],
+            min_instances=body.min_instances, max_instances=body.max_instances, keep_alive_s=body.keep_alive_s,
+            max_queue=body.max_queue)
+        info = await _registry(subjects.REGISTRY_MODEL_DEPLOY, req, m.ModelInfo)
+        await service.add_model(info)
+        return JSONResponse(info.model_dump(mode="json"), status_code=201)
+
+    @app.get("/admin/v1/models/{name:path}", dependencies=[Depends(admin_key)])
+    async def describe(name: str) -> dict:
+        info = await _registry(subjects.REGISTRY_MODEL_GET, m.ModelRef(name=name), m.ModelInfo)
+        view = await _registry(subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
+        entry = service.models.get(name)
+        return {**info.model_dump(mode="json"),
+                "instances": [i.model_dump(mode="json") for i in view.instances if i.model == name],
+                "replicas": [r.model_dump(mode="json") for r in view.replicas if r.model == name],
+                "scale_ops": [s.model_dump(mode="json") for s in view.scale_ops if s.model == name],
+                "queued": entry.routes.queued if entry else 0,
+                "in_flight": entry.routes.in_flight if entry else 0}
+
+    @app.delete("/admin/v1/models/{name:path}", dependencies=[Depends(admin_key)])
+    async def delete(name: str) -> dict:
+        info = await _registry(subjects.REGISTRY_MODEL_DELETE, m.ModelRef(name=name), m.ModelInfo)
+        service.drop_model(name)
+        return {"id": name, "object": "model", "deleted": True, "state": info.state}
+
+    @app.get("/admin/v1/cluster", dependencies=[Depends(admin_key)])
+    async def cluster() -> dict:
+        view = await _registry(subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
+        return view.model_dump(mode="json")
+
+    async def _registry(subject: str, req, reply_model):
+        try:
+            return await call(service.broker, subject, req, reply_model)
+        except RemoteError as e:
+            status = {"not_found": 404, "conflict": 409, "invalid": 400}.get(e.code, 503)
+            param = "name" if status in (404, 409) else None
+            raise APIError(status, e.error, param=param) from e
+        except TimeoutError as e:
+            raise APIError(503, "the registry is not answering; retry later", retry_after=2) from e
+
+    return app
+
+
+def _usage(gen: Generation) -> dict:
+    return {"prompt_tokens": gen.prompt_len, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_len + gen.completion_tokens}
+
+
+async def _collect(gen: Generation) -> tuple[str, str | None]:
+    parts, finish = [], None
+    try:
+        async for p in gen:
+            parts.append(p.text)
+            finish = p.finish_reason or finish
+    finally:
+        await gen.close()
+    return "".join(parts), finish
+
+
+def _sse(gen: Generation, events: AsyncIterator[dict]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for ev in events:
+                yield f"data: {json.dumps(ev)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        except APIError as e:  # headers are gone: report in-band, as OpenAI does
+            yield f"data: {json.dumps(e.body())}\n\n".encode()
+        finally:
+            await gen.close()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

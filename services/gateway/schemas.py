@@ -1,0 +1,87 @@
+"""Request bodies of the OpenAI-compatible and admin APIs, validated by pydantic.
+Unknown fields are ignored (clients send many optional ones); values out of
+range are a 400 naming the parameter."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingBody(_Body):
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=1)
+    stop: str | list[str] | None = Field(default=None, validate_default=True)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: str | list[str] | list[int]) -> str | list[int]:
+        if isinstance(v, list):
+            if len(v) == 0:
+                raise ValueError("prompt must not be empty")
+            if all(isinstance(x, str) for x in v):
+                if len(v) != 1:
+                    raise ValueError("only one prompt per request is supported (n=1, one prompt)")
+                v = v[0]
+        if isinstance(v, str) and not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class DeployRequest(_Body):
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-/]+$")
+    path: str = Field(min_length=1)
+    min_instances: int = Field(default=0, ge=0)
+    max_instances: int = Field(default=4, ge=1)
+    keep_alive_s: float = Field(default=60.0, ge=0)
+    max_queue: int = Field(default=256, ge=1)

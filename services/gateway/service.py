@@ -1,0 +1,335 @@
+"""Gateway core: model table, routing, dispatch to workers over NATS, token
+streams back. The HTTP layer (app.py) only translates to and from OpenAI JSON."""
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+from prometheus_client import Counter, Gauge, Histogram
+from transformers import AutoTokenizer
+
+from libs.checkpoint import CheckpointIndex
+from libs.protocol import messages as m
+from libs.protocol import subjects
+from libs.protocol.bus import RemoteError, call, make_broker, on_event, publish, start_broker
+from libs.telemetry import tracer
+from services.common.runner import Service
+from services.gateway.errors import APIError
+from services.gateway.routing import ModelRoutes, Route
+from services.gateway.text import IncrementalDetokenizer, StopMatcher
+
+log = logging.getLogger(__name__)
+_tracer = tracer("gateway")
+
+TTFT = Histogram("layercast_gateway_ttft_seconds", "Time to first token", ["model"],
+                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+ITL = Histogram("layercast_gateway_inter_token_seconds", "Time between streamed tokens", ["model"],
+                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2))
+QUEUE_DEPTH = Gauge("layercast_gateway_queue_depth", "Requests waiting for an instance slot", ["model"])
+IN_FLIGHT = Gauge("layercast_gateway_in_flight_requests", "Requests dispatched to instances", ["model"])
+INSTANCES = Gauge("layercast_gateway_instances", "Ready instances routed to", ["model"])
+GENERATED = Counter("layercast_gateway_completion_tokens_total", "Completion tokens streamed", ["model"])
+
+
+@dataclass
+class ModelEntry:
+    info: m.ModelInfo
+    tokenizer: object
+    context_len: int
+    eos_ids: list[int]
+    routes: ModelRoutes
+    ttft_samples: list[float] = field(default_factory=list)
+
+
+@dataclass
+class GatewayConfig:
+    gateway_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex[:8]}")
+    queue_timeout_s: float = 120.0
+    first_token_timeout_s: float = 120.0
+    token_timeout_s: float = 60.0
+    slots_per_instance: int = 32
+    max_context: int = 2048
+    default_max_tokens: int = 1024
+    metrics_interval_s: float = 0.5
+    resync_interval_s: float = 5.0
+
+
+@dataclass
+class Piece:
+    """One step of a generation as clients see it."""
+
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Generation:
+    """A dispatched request: iterate it for Pieces; always `close()` it."""
+
+    def __init__(self, gw: "GatewayService", entry: ModelEntry, route: Route, request_id: str,
+                 prompt_len: int, stops: list[str], started: float, span: trace.Span):
+        self.gw, self.entry, self.route, self.request_id = gw, entry, route, request_id
+        self.prompt_len, self.started, self.span = prompt_len, started, span
+        self.queue: asyncio.Queue[m.TokenEvent] = asyncio.Queue()
+        self.detok = IncrementalDetokenizer(entry.tokenizer)
+        self.stops = StopMatcher(stops)
+        self.completion_tokens = 0
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[Piece]:
+        model = self.entry.info.name
+        last = None
+        expected = 0
+        while not self.finished:
+            timeout = self.gw.config.first_token_timeout_s if last is None else self.gw.config.token_timeout_s
+            try:
+                ev = await asyncio.wait_for(self.queue.get(), timeout)
+            except TimeoutError:
+                raise APIError(503, f"instance {self.route.instance_id} stopped responding", code="worker_timeout",
+                               retry_after=1) from None
+            if ev.error is not None:
+                raise APIError(503, f"generation failed: {ev.error}", code="generation_failed", retry_after=1)
+            if ev.index != expected:
+                raise APIError(503, f"token stream lost tokens (got {ev.index}, expected {expected})",
+                               code="stream_broken", retry_after=1)
+            expected += 1
+            now = time.perf_counter()
+            if last is None:
+                ttft = now - self.started
+                TTFT.labels(model).observe(ttft)
+                self.entry.ttft_samples.append(ttft)
+                self.span.add_event("first_token")
+            else:
+                ITL.labels(model).observe(now - last)
+            last = now
+            text = ""
+            if ev.token_id is not None and not (ev.finished and ev.token_id in self.entry.eos_ids):
+                self.completion_tokens += 1
+                GENERATED.labels(model).inc()
+                text = self.stops.feed(self.detok.add(ev.token_id))
+            elif ev.token_id is not None:
+                self.completion_tokens += 1  # the eos token counts as generated, as in the OpenAI API
+            finish = ev.finish_reason if ev.finished else None
+            if self.stops.stopped:
+                finish = "stop"
+            if finish is not None:
+                if not self.stops.stopped:
+                    text += self.stops.feed(self.detok.finish())
+                    text += self.stops.flush() if not self.stops.stopped else ""
+                self.finished = True
+            if text or finish is not None:
+                yield Piece(text, finish, self.prompt_len, self.completion_tokens)
+
+    async def close(self) -> None:
+        self.gw.streams.pop(self.request_id, None)
+        self.entry.routes.release(self.route)
+        if not self.finished:
+            await publish(self.gw.broker, subjects.worker_cancel(self.route.worker_id),
+                          m.CancelRequest(request_id=self.request_id))
+        self.span.set_attribute("layercast.completion_tokens", self.completion_tokens)
+        self.span.end()
+
+
+class GatewayService(Service):
+    name = "gateway"
+
+    def __init__(self, config: GatewayConfig | None = None, nats_url: str | None = None):
+        self.config = config or GatewayConfig()
+        self.broker = make_broker(nats_url)
+        self.models: dict[str, ModelEntry] = {}
+        self.streams: dict[str, Generation] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._synced = False
+        self._demand = asyncio.Event()
+        self._subscribe()
+
+    def healthy(self) -> bool:
+        return self._synced
+
+    async def start(self) -> None:
+        await start_broker(self.broker)
+        self._tasks += [asyncio.create_task(self._resync_loop()), asyncio.create_task(self._metrics_loop())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await self.broker.stop()
+
+    # --- model table -------------------------------------------------------------------
+    async def add_model(self, info: m.ModelInfo) -> ModelEntry:
+        entry = self.models.get(info.name)
+        if entry is not None and entry.info.path == info.path:
+            entry.info = info
+            entry.routes.max_queue = info.max_queue
+            return entry
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, info.path)
+        index = await asyncio.to_thread(CheckpointIndex.load, info.path)
+        context = min(int(index.config.get("max_position_embeddings", self.config.max_context)),
+                      self.config.max_context)
+        eos = index.config.get("eos_token_id", tokenizer.eos_token_id)
+        eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        entry = ModelEntry(info, tokenizer, context, eos_ids,
+                           ModelRoutes(info.name, info.max_queue, self.config.slots_per_instance))
+        self.models[info.name] = entry
+        return entry
+
+    def drop_model(self, name: str) -> None:
+        entry = self.models.pop(name, None)
+        if entry is not None:
+            entry.routes.fail_all(f"model {name!r} was deleted")
+
+    def _apply_instance(self, inst: m.InstanceInfo) -> None:
+        entry = self.models.get(inst.model)
+        if entry is None:
+            return
+        if inst.state == m.InstanceState.ready:
+            entry.routes.add(inst.instance_id, inst.entry_worker)
+        else:
+            self._drop_route(entry, inst.instance_id, f"instance {inst.state.value}")
+
+    def _drop_route(self, entry: ModelEntry, instance_id: str, why: str) -> None:
+        route = entry.routes.remove(instance_id)
+        if route is None:
+            return
+        # Requests running there can no longer finish: fail them now rather than wait for a timeout.
+        for rid, gen in list(self.streams.items()):
+            if gen.route is route:
+                gen.queue.put_nowait(m.TokenEvent(request_id=rid, index=-1, finished=True, finish_reason="error",
+                                                  error=why))
+
+    async def resync(self) -> None:
+        """Rebuild the tables from the registry; events keep them fresh in between."""
+        view = await call(self.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0), m.ClusterView)
+        names = {mi.name for mi in view.models}
+        for name in list(self.models):
+            if name not in names:
+                self.drop_model(name)
+        for info in view.models:
+            try:
+                await self.add_model(info)
+            except Exception as e:
+                log.warning("cannot serve model %s from %s: %s", info.name, info.path, e)
+        live = {i.instance_id for i in view.instances if i.state == m.InstanceState.ready}
+        for inst in view.instances:
+            self._apply_instance(inst)
+        for entry in self.models.values():
+            for iid in [i for i in entry.routes.routes if i not in live]:
+                self._drop_route(entry, iid, "instance no longer in the registry")
+        self._synced = True
+
+    async def _resync_loop(self) -> None:
+        while True:
+            try:
+                await self.resync()
+            except Exception as e:
+                log.warning("registry resync failed: %s", e)
+            await asyncio.sleep(self.config.resync_interval_s if self._synced else 0.5)
+
+    async def _metrics_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._demand.wait(), self.config.metrics_interval_s)
+            except TimeoutError:
+                pass
+            self._demand.clear()
+            try:
+                await self.publish_metrics()
+            except Exception:
+                log.exception("publishing gateway metrics failed")
+
+    async def publish_metrics(self) -> None:
+        loads = []
+        for name, e in self.models.items():
+            r = e.routes
+            QUEUE_DEPTH.labels(name).set(r.queued)
+            IN_FLIGHT.labels(name).set(r.in_flight)
+            INSTANCES.labels(name).set(len(r.routes))
+            loads.append(m.ModelLoad(model=name, queued=r.queued, in_flight=r.in_flight, arrivals=r.arrivals,
+                                     ready_instances=len(r.routes), last_request_at=r.last_request_at,
+                                     ttft_s=e.ttft_samples))
+            r.arrivals, e.ttft_samples = 0, []
+        await publish(self.broker, subjects.METRICS_GATEWAY, m.GatewayMetrics(gateway_id=self.config.gateway_id,
+                                                                              models=loads))
+
+    def _subscribe(self) -> None:
+        b = self.broker
+
+        @b.subscriber(subjects.tokens_wildcard(self.config.gateway_id))
+        @on_event(m.TokenEvent)
+        async def token(ev: m.TokenEvent) -> None:
+            gen = self.streams.get(ev.request_id)
+            if gen is not None:
+                gen.queue.put_nowait(ev)
+
+        @b.subscriber(subjects.EVENT_INSTANCE)
+        @on_event(m.InstanceEvent)
+        async def instance(ev: m.InstanceEvent) -> None:
+            self._apply_instance(ev.instance)
+
+        @b.subscriber(subjects.EVENT_MODEL)
+        @on_event(m.ModelEvent)
+        async def model(ev: m.ModelEvent) -> None:
+            if ev.kind == "deployed":
+                await self.add_model(ev.model)
+            else:
+                self.drop_model(ev.model.name)
+
+    # --- requests ----------------------------------------------------------------------------------
+    def entry(self, name: str) -> ModelEntry:
+        entry = self.models.get(name)
+        if entry is None:
+            raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+        return entry
+
+    def resolve_max_tokens(self, entry: ModelEntry, prompt_len: int, requested: int | None, param: str) -> int:
+        room = entry.context_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"This model's maximum context length is {entry.context_len} tokens; the prompt "
+                           f"has {prompt_len}", param="messages" if param != "max_tokens" else "prompt",
+                           code="context_length_exceeded")
+        if requested is None:
+            return min(room, self.config.default_max_tokens)
+        if requested > room:
+            raise APIError(400, f"{param}={requested} is too large: the prompt has {prompt_len} tokens and the "
+                           f"model's context is {entry.context_len}", param=param, code="context_length_exceeded")
+        return requested
+
+    async def start_generation(self, entry: ModelEntry, prompt_ids: list[int], sampling: m.SamplingSpec,
+                               stops: list[str]) -> Generation:
+        """Admit, route and dispatch; errors here are HTTP errors (nothing streamed yet)."""
+        started = time.perf_counter()
+        span = _tracer.start_span("gateway.generate", attributes={
+            "layercast.model": entry.info.name, "layercast.prompt_tokens": len(prompt_ids)})
+        self._demand.set()
+        try:
+            with trace.use_span(span):
+                for attempt in range(3):
+                    route = await entry.routes.acquire(self.config.queue_timeout_s)
+                    self._demand.set()
+                    request_id = uuid.uuid4().hex
+                    gen = Generation(self, entry, route, request_id, len(prompt_ids), stops, started, span)
+                    self.streams[request_id] = gen
+                    req = m.GenerateRequest(request_id=request_id, instance_id=route.instance_id,
+                                            model=entry.info.name, prompt_ids=prompt_ids, sampling=sampling,
+                                            reply_subject=subjects.tokens(self.config.gateway_id, request_id))
+                    try:
+                        await call(self.broker, subjects.worker_generate(route.worker_id), req, m.GenerateAccepted)
+                        span.set_attribute("layercast.instance", route.instance_id)
+                        span.set_attribute("layercast.worker", route.worker_id)
+                        return gen
+                    except (TimeoutError, RemoteError) as e:
+                        self.streams.pop(request_id, None)
+                        entry.routes.release(route)
+                        if isinstance(e, RemoteError) and e.code == "invalid":
+                            raise APIError(400, e.error) from e
+                        log.warning("dispatch to %s failed (%s); dropping that route", route.instance_id, e)
+                        entry.routes.remove(route.instance_id)
+                raise APIError(503, "no instance accepted the request", code="model_unavailable", retry_after=1)
+        except BaseException:
+            span.end()
+            raise

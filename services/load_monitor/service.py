@@ -1,0 +1,176 @@
+"""Load-monitor: watches demand per model and asks the planner for a number
+of instances. The decision itself is a pure policy from libs.planning.policies;
+this service only keeps the windows and sends ScaleRequests."""
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from prometheus_client import Gauge
+
+
+
+@dataclass(frozen=True)
+class LoadSample:  # INTERIM: replaced by libs.planning.policies when it lands
+    at: float
+    queued: int
+    in_flight: int
+
+
+@dataclass(frozen=True)
+class ConcurrencyPolicy:  # INTERIM
+    target_per_instance: int
+    min_instances: int
+    max_instances: int
+    keep_alive_s: float
+
+    def desired(self, window: list[LoadSample], current: int, last_request_at: float | None, now: float) -> int:
+        import math
+        demand = max((s.queued + s.in_flight for s in window), default=0)
+        want = math.ceil(demand / self.target_per_instance)
+        if want == 0 and current > 0 and last_request_at is not None and now - last_request_at < self.keep_alive_s:
+            want = current
+        return max(self.min_instances, min(self.max_instances, want))
+from libs.protocol import messages as m
+from libs.protocol import subjects
+from libs.protocol.bus import call, make_broker, on_event, publish, start_broker
+from services.common.runner import Service
+
+log = logging.getLogger(__name__)
+
+DESIRED = Gauge("layercast_load_monitor_desired_instances", "Instances the policy asks for", ["model"])
+DEMAND = Gauge("layercast_load_monitor_demand_requests", "Queued plus in-flight requests", ["model"])
+
+
+@dataclass
+class ModelWindow:
+    model: m.ModelInfo
+    samples: deque[LoadSample] = field(default_factory=lambda: deque(maxlen=1200))
+    last_request_at: float | None = None
+    last_sent: tuple[int, float] | None = None  # (desired, when)
+
+
+class LoadMonitorService(Service):
+    name = "load_monitor"
+
+    def __init__(self, nats_url: str | None = None, tick_s: float = 0.1, window_s: float = 10.0,
+                 target_concurrency: int = 8, resend_s: float = 2.0):
+        self.broker = make_broker(nats_url)
+        self.tick_s, self.window_s, self.resend_s = tick_s, window_s, resend_s
+        self.target_concurrency = target_concurrency
+        self.models: dict[str, ModelWindow] = {}
+        self.live: dict[str, tuple[str, m.InstanceState]] = {}  # instance_id -> (model, state)
+        # Latest report of each gateway, per model: several gateways add up.
+        self._gateways: dict[str, dict[str, m.ModelLoad]] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._synced = False
+        self._subscribe()
+
+    def healthy(self) -> bool:
+        return self._synced
+
+    async def start(self) -> None:
+        await start_broker(self.broker)
+        self._tasks += [asyncio.create_task(self._sync_loop()), asyncio.create_task(self._tick_loop())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await self.broker.stop()
+
+    def policy(self, model: m.ModelInfo) -> ConcurrencyPolicy:
+        return ConcurrencyPolicy(target_per_instance=self.target_concurrency, min_instances=model.min_instances,
+                                 max_instances=model.max_instances, keep_alive_s=model.keep_alive_s)
+
+    async def sync(self) -> None:
+        view = await call(self.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0), m.ClusterView)
+        names = {x.name for x in view.models}
+        for info in view.models:
+            w = self.models.setdefault(info.name, ModelWindow(info))
+            w.model = info
+        for name in list(self.models):
+            if name not in names:
+                del self.models[name]
+        self.live = {i.instance_id: (i.model, i.state) for i in view.instances if i.state in
+                     (m.InstanceState.loading, m.InstanceState.ready)}
+        self._synced = True
+
+    async def _sync_loop(self) -> None:
+        while True:
+            try:
+                await self.sync()
+            except Exception as e:
+                log.warning("registry sync failed: %s", e)
+            await asyncio.sleep(5.0 if self._synced else 0.5)
+
+    def current_instances(self, model: str) -> int:
+        return sum(1 for name, _ in self.live.values() if name == model)
+
+    def sample(self, name: str, now: float) -> LoadSample:
+        loads = [g[name] for g in self._gateways.values() if name in g]
+        return LoadSample(at=now, queued=sum(x.queued for x in loads), in_flight=sum(x.in_flight for x in loads))
+
+    async def tick(self, now: float | None = None) -> None:
+        now = now or time.time()
+        for name, w in self.models.items():
+            w.samples.append(self.sample(name, now))
+            while w.samples and w.samples[0].at < now - self.window_s:
+                w.samples.popleft()
+            current = self.current_instances(name)
+            desired = self.policy(w.model).desired(list(w.samples), current, w.last_request_at, now)
+            DESIRED.labels(name).set(desired)
+            DEMAND.labels(name).set(w.samples[-1].queued + w.samples[-1].in_flight)
+            if desired == current:
+                w.last_sent = None
+                continue
+            # Repeat the request while the mismatch lasts (the planner reconciles idempotently).
+            if w.last_sent and w.last_sent[0] == desired and now - w.last_sent[1] < self.resend_s:
+                continue
+            reason = (f"demand {w.samples[-1].queued} queued + {w.samples[-1].in_flight} in flight, "
+                      f"{current} instance(s)" if desired > current else
+                      f"idle for {now - (w.last_request_at or now):.1f}s (keep-alive {w.model.keep_alive_s}s)")
+            log.info("scale %s: %d -> %d (%s)", name, current, desired, reason)
+            await publish(self.broker, subjects.SCALE_REQUEST, m.ScaleRequest(model=name, desired_instances=desired,
+                                                                              reason=reason))
+            w.last_sent = (desired, now)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("load-monitor tick failed")
+
+    def _subscribe(self) -> None:
+        b = self.broker
+
+        @b.subscriber(subjects.METRICS_GATEWAY)
+        @on_event(m.GatewayMetrics)
+        async def gateway_metrics(ev: m.GatewayMetrics) -> None:
+            self._gateways[ev.gateway_id] = {x.model: x for x in ev.models}
+            for x in ev.models:
+                w = self.models.get(x.model)
+                if w is not None and x.last_request_at is not None:
+                    w.last_request_at = max(w.last_request_at or 0.0, x.last_request_at)
+            if any(x.queued and x.ready_instances == 0 for x in ev.models):
+                await self.tick()  # demand for a cold model: act now, not at the next tick
+
+        @b.subscriber(subjects.EVENT_INSTANCE)
+        @on_event(m.InstanceEvent)
+        async def instance(ev: m.InstanceEvent) -> None:
+            i = ev.instance
+            if i.state in (m.InstanceState.loading, m.InstanceState.ready):
+                self.live[i.instance_id] = (i.model, i.state)
+            else:
+                self.live.pop(i.instance_id, None)
+
+        @b.subscriber(subjects.EVENT_MODEL)
+        @on_event(m.ModelEvent)
+        async def model(ev: m.ModelEvent) -> None:
+            if ev.kind == "deployed":
+                self.models[ev.model.name] = ModelWindow(ev.model)
+            else:
+                self.models.pop(ev.model.name, None)

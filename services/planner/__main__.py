@@ -1,0 +1,21 @@
+"""`python -m services.planner`: run the planner."""
+
+import argparse
+import os
+
+from services.common.runner import run
+from services.planner.service import PlannerService
+
+
+def main() -> None:
+    env = os.environ.get
+    p = argparse.ArgumentParser(description="layercast planner")
+    p.add_argument("--drain-timeout", type=float, default=float(env("LAYERCAST_DRAIN_TIMEOUT", "30")))
+    p.add_argument("--health-host", default=env("LAYERCAST_HEALTH_HOST", "127.0.0.1"))
+    p.add_argument("--health-port", type=int, default=int(env("LAYERCAST_HEALTH_PORT", "0")))
+    a = p.parse_args()
+    run(lambda: PlannerService(drain_timeout_s=a.drain_timeout), a.health_host, a.health_port)
+
+
+if __name__ == "__main__":
+    main()

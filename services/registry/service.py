@@ -1,0 +1,158 @@
+"""Registry: the parameter pool and cluster state. The only service with a
+database connection; everyone else asks over NATS (subjects.REGISTRY_*)."""
+
+import asyncio
+import logging
+import time
+
+from libs.db.engine import make_engine, migrate
+from libs.db.store import RegistryStore
+from libs.protocol import messages as m
+from libs.protocol import subjects
+from libs.protocol.bus import DomainError, make_broker, on_event, publish, rpc, start_broker
+from services.common.runner import Service
+
+log = logging.getLogger(__name__)
+
+
+class RegistryService(Service):
+    name = "registry"
+
+    def __init__(self, database_url: str, nats_url: str | None = None, heartbeat_ttl_s: float = 5.0):
+        self.database_url = database_url
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.broker = make_broker(nats_url)
+        self.engine = None
+        self.store: RegistryStore | None = None
+        self._expiry_task: asyncio.Task | None = None
+        self._ready = False
+        self._subscribe()
+
+    def healthy(self) -> bool:
+        return self._ready
+
+    async def start(self) -> None:
+        # Alembic is synchronous; run it off the event loop.
+        await asyncio.to_thread(migrate, self.database_url)
+        self.engine = make_engine(self.database_url)
+        self.store = RegistryStore(self.engine)
+        await start_broker(self.broker)
+        self._expiry_task = asyncio.create_task(self._expire_loop())
+        self._ready = True
+        log.info("registry ready (database migrated)")
+
+    async def stop(self) -> None:
+        self._ready = False
+        if self._expiry_task:
+            self._expiry_task.cancel()
+        await self.broker.stop()
+        if self.engine is not None:
+            await self.engine.dispose()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.heartbeat_ttl_s / 3))
+            try:
+                await self.expire_once()
+            except Exception:
+                log.exception("heartbeat expiry pass failed")
+
+    async def expire_once(self) -> list[m.WorkerInfo]:
+        dead = await self.store.expire_workers(time.time() - self.heartbeat_ttl_s)
+        if dead:
+            failed = await self.store.stop_instances_on([w.worker_id for w in dead])
+            for w in dead:
+                log.warning("worker %s expired (no heartbeat for %.1fs)", w.worker_id, self.heartbeat_ttl_s)
+                await publish(self.broker, subjects.EVENT_WORKER_EXPIRED,
+                              m.WorkerExpired(worker_id=w.worker_id, last_heartbeat=w.last_heartbeat))
+            for inst in failed:
+                await publish(self.broker, subjects.EVENT_INSTANCE,
+                              m.InstanceEvent(instance=inst, reason="worker expired"))
+        return dead
+
+    def _subscribe(self) -> None:
+        b = self.broker
+
+        @b.subscriber(subjects.REGISTRY_WORKER_REGISTER)
+        @rpc(m.RegisterWorker)
+        async def register(req: m.RegisterWorker) -> m.WorkerInfo:
+            info = await self.store.upsert_worker(req)
+            log.info("worker %s registered at %s", req.worker_id, req.data_address)
+            return info
+
+        @b.subscriber(subjects.EVENT_HEARTBEAT)
+        @on_event(m.Heartbeat)
+        async def heartbeat(hb: m.Heartbeat) -> None:
+            await self.store.upsert_worker(hb)
+
+        @b.subscriber(subjects.REGISTRY_MODEL_DEPLOY)
+        @rpc(m.DeployModel)
+        async def deploy(req: m.DeployModel) -> m.ModelInfo:
+            if req.min_instances > req.max_instances:
+                raise DomainError("min_instances must not exceed max_instances")
+            try:
+                info = await self.store.deploy_model(req)
+            except ValueError as e:
+                raise DomainError(str(e), code="conflict") from e
+            await publish(b, subjects.EVENT_MODEL, m.ModelEvent(kind="deployed", model=info))
+            return info
+
+        @b.subscriber(subjects.REGISTRY_MODEL_GET)
+        @rpc(m.ModelRef)
+        async def get_model(req: m.ModelRef) -> m.ModelInfo:
+            info = await self.store.get_model(req.name)
+            if info is None:
+                raise DomainError(f"model {req.name!r} not found", code="not_found")
+            return info
+
+        @b.subscriber(subjects.REGISTRY_MODEL_LIST)
+        @rpc(m.ListModels)
+        async def list_models(req: m.ListModels) -> m.ModelList:
+            return m.ModelList(models=await self.store.list_models(req.include_deleted))
+
+        @b.subscriber(subjects.REGISTRY_MODEL_DELETE)
+        @rpc(m.ModelRef)
+        async def delete_model(req: m.ModelRef) -> m.ModelInfo:
+            info = await self.store.delete_model(req.name)
+            if info is None:
+                raise DomainError(f"model {req.name!r} not found", code="not_found")
+            await publish(b, subjects.EVENT_MODEL, m.ModelEvent(kind="deleted", model=info))
+            return info
+
+        @b.subscriber(subjects.REGISTRY_CLUSTER)
+        @rpc(m.GetCluster)
+        async def cluster(req: m.GetCluster) -> m.ClusterView:
+            return m.ClusterView(
+                workers=await self.store.list_workers(req.include_dead),
+                models=await self.store.list_models(),
+                replicas=await self.store.list_replicas(),
+                instances=await self.store.list_instances(),
+                scale_ops=await self.store.recent_scale_ops(req.recent_scale_ops),
+            )
+
+        @b.subscriber(subjects.REGISTRY_INSTANCE_CREATE)
+        @rpc(m.CreateInstance)
+        async def create_instance(req: m.CreateInstance) -> m.InstanceInfo:
+            return await self.store.create_instance(req)
+
+        @b.subscriber(subjects.REGISTRY_SCALEOP_RECORD)
+        @rpc(m.RecordScaleOp)
+        async def record_scale_op(req: m.RecordScaleOp) -> m.ScaleOpInfo:
+            return await self.store.record_scale_op(req)
+
+        @b.subscriber(subjects.EVENT_BLOCK)
+        @on_event(m.BlockEvent)
+        async def block(ev: m.BlockEvent) -> None:
+            await self.store.record_block(ev)
+            if ev.scale_op_id and ev.state == m.ReplicaState.ready:
+                await self.store.add_scale_op_timing(ev.scale_op_id, f"block:{ev.worker_id}:{ev.block_id}",
+                                                     time.time())
+
+        @b.subscriber(subjects.EVENT_INSTANCE)
+        @on_event(m.InstanceEvent)
+        async def instance(ev: m.InstanceEvent) -> None:
+            await self.store.record_instance(ev.instance)
+            if ev.instance.scale_op_id and ev.instance.state == m.InstanceState.ready:
+                await self.store.add_scale_op_timing(ev.instance.scale_op_id,
+                                                     f"ready:{ev.instance.instance_id}",
+                                                     ev.instance.ready_at or time.time())

@@ -1,0 +1,39 @@
+"""`python -m services.worker`: run one worker."""
+
+import argparse
+import os
+import socket
+
+from services.common.runner import run
+from services.worker.service import WorkerConfig, WorkerService
+
+
+def main() -> None:
+    env = os.environ.get
+    p = argparse.ArgumentParser(description="layercast worker")
+    p.add_argument("--worker-id", default=env("LAYERCAST_WORKER_ID", socket.gethostname()))
+    p.add_argument("--data-host", default=env("LAYERCAST_DATA_HOST", "127.0.0.1"))
+    p.add_argument("--data-port", type=int, default=int(env("LAYERCAST_DATA_PORT", "0")))
+    p.add_argument("--host", default=env("LAYERCAST_TOPOLOGY_HOST", socket.gethostname()))
+    p.add_argument("--leaf", default=env("LAYERCAST_TOPOLOGY_LEAF", "leaf-0"))
+    p.add_argument("--scaleup-group", default=env("LAYERCAST_TOPOLOGY_SCALEUP_GROUP", ""))
+    p.add_argument("--link-gbps", type=float, default=float(env("LAYERCAST_LINK_GBPS", "10")))
+    p.add_argument("--host-capacity-gb", type=float, default=float(env("LAYERCAST_HOST_CAPACITY_GB", "8")))
+    p.add_argument("--engine-capacity-gb", type=float, default=float(env("LAYERCAST_ENGINE_CAPACITY_GB", "8")))
+    p.add_argument("--heartbeat-interval", type=float, default=float(env("LAYERCAST_HEARTBEAT_INTERVAL", "1")))
+    p.add_argument("--torch-threads", type=int, default=int(env("LAYERCAST_TORCH_THREADS", "0")))
+    p.add_argument("--health-host", default=env("LAYERCAST_HEALTH_HOST", "127.0.0.1"))
+    p.add_argument("--health-port", type=int, default=int(env("LAYERCAST_HEALTH_PORT", "0")))
+    a = p.parse_args()
+    config = WorkerConfig(
+        worker_id=a.worker_id, data_host=a.data_host, data_port=a.data_port, host=a.host, leaf=a.leaf,
+        scaleup_group=a.scaleup_group, link_gbps=a.link_gbps,
+        host_capacity_bytes=int(a.host_capacity_gb * (1 << 30)),
+        engine_capacity_bytes=int(a.engine_capacity_gb * (1 << 30)),
+        heartbeat_interval_s=a.heartbeat_interval, torch_threads=a.torch_threads,
+    )
+    run(lambda: WorkerService(config), a.health_host, a.health_port)
+
+
+if __name__ == "__main__":
+    main()

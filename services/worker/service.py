@@ -1,0 +1,302 @@
+"""Worker: holds model blocks in tiers, runs engines, streams tokens.
+
+Talks to the registry (registration, heartbeats, block and instance events),
+takes load/unload commands from the planner and generate requests from the
+gateway. Torch work runs on the engine thread (runtime.py).
+"""
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+
+import torch
+from opentelemetry import trace
+from prometheus_client import Counter, Gauge
+
+from libs.checkpoint import CheckpointIndex, load_block
+from libs.engine import Engine, SamplingParams, TokenOutput
+from libs.protocol import messages as m
+from libs.protocol import subjects
+from libs.protocol.bus import DomainError, call, make_broker, on_event, publish, rpc, start_broker
+from libs.telemetry import tracer
+from services.common.runner import Service
+from services.worker.host_cache import HostBlockCache
+from services.worker.runtime import EngineRuntime
+
+log = logging.getLogger(__name__)
+_tracer = tracer("worker")
+
+TOKENS = Counter("layercast_worker_generated_tokens_total", "Tokens generated", ["model"])
+BLOCK_BYTES = Counter("layercast_worker_block_load_bytes_total", "Bytes of blocks made ready", ["tier"])
+RUNNING = Gauge("layercast_worker_running_requests", "Requests running on this worker")
+
+
+@dataclass
+class WorkerConfig:
+    worker_id: str
+    data_host: str = "127.0.0.1"
+    data_port: int = 0
+    host: str = field(default_factory=socket.gethostname)
+    leaf: str = "leaf-0"
+    scaleup_group: str = ""
+    link_gbps: float = 10.0
+    host_capacity_bytes: int = 8 << 30
+    engine_capacity_bytes: int = 8 << 30
+    heartbeat_interval_s: float = 1.0
+    torch_threads: int = 0  # 0: torch's default
+    max_batch_size: int = 16
+    max_seq_len: int = 2048
+
+
+@dataclass
+class _Instance:
+    info: m.InstanceInfo
+    path: str
+    keys: list[tuple[str, int]]
+    draining: bool = False
+
+
+@dataclass
+class _Request:
+    instance_id: str
+    model: str
+    reply_subject: str
+    span: trace.Span
+    next_index: int = 0
+
+
+class WorkerService(Service):
+    name = "worker"
+
+    def __init__(self, config: WorkerConfig, nats_url: str | None = None):
+        self.config = config
+        self.broker = make_broker(nats_url)
+        self.cache = HostBlockCache(config.host_capacity_bytes)
+        self.instances: dict[str, _Instance] = {}
+        self.requests: dict[str, _Request] = {}
+        self.runtime: EngineRuntime | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._registered = False
+        self._loading: set[str] = set()
+        self._tokens_since = 0
+        self._subscribe()
+
+    def healthy(self) -> bool:
+        return self._registered
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def _registration(self) -> dict:
+        c = self.config
+        disk = shutil.disk_usage(os.getcwd()).free
+        return dict(
+            worker_id=c.worker_id,
+            data_address=f"{c.data_host}:{c.data_port}",
+            topology=m.Topology(host=c.host, leaf=c.leaf, scaleup_group=c.scaleup_group, link_gbps=c.link_gbps),
+            capacities={m.Tier.gpu: c.engine_capacity_bytes, m.Tier.host: c.host_capacity_bytes, m.Tier.ssd: disk},
+        )
+
+    async def start(self) -> None:
+        if self.config.torch_threads:
+            torch.set_num_threads(self.config.torch_threads)
+        self.runtime = EngineRuntime(asyncio.get_running_loop(), self._on_outputs)
+        self.runtime.start()
+        await start_broker(self.broker)
+        # The registry may start after us: retry until it answers.
+        while True:
+            try:
+                await call(self.broker, subjects.REGISTRY_WORKER_REGISTER, m.RegisterWorker(**self._registration()),
+                           m.WorkerInfo, timeout=2.0)
+                break
+            except TimeoutError:
+                log.info("registry not answering yet; retrying")
+                await asyncio.sleep(0.5)
+        self._registered = True
+        log.info("worker %s registered", self.config.worker_id)
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for inst in list(self.instances.values()):
+            await self._stop_instance(inst, reason="worker shutting down")
+        await self.broker.stop()
+        if self.runtime:
+            await asyncio.to_thread(self.runtime.stop)
+
+    async def _heartbeat_loop(self) -> None:
+        last = time.monotonic()
+        while True:
+            try:
+                running = self.runtime.running()
+                RUNNING.set(running)
+                await publish(self.broker, subjects.EVENT_HEARTBEAT, m.Heartbeat(
+                    **self._registration(), instances=list(self.instances), running_requests=running))
+                now = time.monotonic()
+                tps = self._tokens_since / max(now - last, 1e-6)
+                self._tokens_since, last = 0, now
+                await publish(self.broker, subjects.METRICS_WORKER, m.WorkerMetrics(
+                    worker_id=self.config.worker_id, running_requests=running, tokens_per_s=tps,
+                    instances=list(self.instances)))
+            except Exception:
+                log.exception("heartbeat failed")
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+
+    # --- blocks and instances -------------------------------------------------------------------------
+    async def _block_event(self, model: str, block_id: int, tier: m.Tier, state: m.ReplicaState,
+                           nbytes: int = 0, seconds: float = 0.0, scale_op_id: str | None = None) -> None:
+        await publish(self.broker, subjects.EVENT_BLOCK, m.BlockEvent(
+            model=model, block_id=block_id, worker_id=self.config.worker_id, tier=tier, state=state,
+            nbytes=nbytes, seconds=seconds, scale_op_id=scale_op_id))
+
+    async def _report_evicted(self, keys: list[tuple[str, int]]) -> None:
+        for model, block_id in keys:
+            await self._block_event(model, block_id, m.Tier.host, m.ReplicaState.evicted)
+
+    async def _load(self, cmd: m.LoadModel, info: m.InstanceInfo) -> None:
+        with _tracer.start_as_current_span("worker.load", attributes={
+            "layercast.model": cmd.model, "layercast.worker": self.config.worker_id,
+            "layercast.blocks": f"[{cmd.block_start},{cmd.block_end})"}) as span:
+            try:
+                index = await asyncio.to_thread(CheckpointIndex.load, cmd.path)
+                buffers: dict[int, torch.Tensor] = {}
+                keys = []
+                for block_id in range(cmd.block_start, cmd.block_end):
+                    key = (cmd.model, block_id)
+                    buf = self.cache.get(key)
+                    tier = m.Tier.host
+                    t0 = time.perf_counter()
+                    if buf is None:
+                        tier = m.Tier.ssd
+                        buf = await asyncio.to_thread(load_block, cmd.path, index, block_id)
+                    seconds = time.perf_counter() - t0
+                    self.cache.pin(key)
+                    await self._report_evicted(self.cache.put(key, buf))
+                    buffers[block_id] = buf
+                    keys.append(key)
+                    BLOCK_BYTES.labels(tier.value).inc(buf.numel())
+                    span.add_event("block", {"block": block_id, "from_tier": tier.value, "bytes": buf.numel()})
+                    await self._block_event(cmd.model, block_id, m.Tier.gpu, m.ReplicaState.ready,
+                                            buf.numel(), seconds, cmd.scale_op_id)
+                    await self._block_event(cmd.model, block_id, m.Tier.host, m.ReplicaState.ready, buf.numel())
+                if (cmd.block_start, cmd.block_end) != (0, len(index.blocks)):
+                    # A partial range holds its blocks for a pipeline; pipeline serving
+                    # (activations between stages) is the engine issue's work.
+                    raise DomainError("only full-model local instances can serve in this version")
+                engine = await asyncio.to_thread(
+                    Engine, index, buffers, device="cpu", max_batch_size=self.config.max_batch_size,
+                    max_seq_len=self.config.max_seq_len)
+            except Exception as e:
+                log.exception("loading %s failed", cmd.model)
+                span.record_exception(e)
+                for key in (k for k in [(cmd.model, b) for b in range(cmd.block_start, cmd.block_end)]
+                            if self.cache.pinned(k)):
+                    await self._report_evicted(self.cache.unpin(key))
+                info = info.model_copy(update={"state": m.InstanceState.failed})
+                await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=str(e)))
+                return
+            finally:
+                self._loading.discard(cmd.instance_id)
+            self.runtime.attach(cmd.instance_id, engine)
+            info = info.model_copy(update={"state": m.InstanceState.ready, "ready_at": time.time()})
+            self.instances[cmd.instance_id] = _Instance(info=info, path=cmd.path, keys=keys)
+            log.info("instance %s of %s ready", cmd.instance_id, cmd.model)
+            await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason="loaded"))
+
+    async def _stop_instance(self, inst: _Instance, reason: str, drain_timeout_s: float = 0.0) -> None:
+        inst.draining = True
+        deadline = time.monotonic() + drain_timeout_s
+        while self.runtime.running(inst.info.instance_id) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.runtime.detach(inst.info.instance_id)
+        self.instances.pop(inst.info.instance_id, None)
+        for key in inst.keys:
+            await self._block_event(key[0], key[1], m.Tier.gpu, m.ReplicaState.evicted)
+            await self._report_evicted(self.cache.unpin(key))
+        info = inst.info.model_copy(update={"state": m.InstanceState.stopped})
+        await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=reason))
+        log.info("instance %s stopped (%s)", inst.info.instance_id, reason)
+
+    # --- generation -----------------------------------------------------------------------------------------
+    def _on_outputs(self, batch: list[tuple[str, TokenOutput | None, str | None]]) -> None:
+        """Called on the event loop with a step's outputs; publishes them in order."""
+        asyncio.ensure_future(self._publish_outputs(batch))
+
+    async def _publish_outputs(self, batch: list[tuple[str, TokenOutput | None, str | None]]) -> None:
+        for request_id, out, error in batch:
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            if error is not None:
+                ev = m.TokenEvent(request_id=request_id, index=req.next_index, finished=True,
+                                  finish_reason="error", error=error)
+            else:
+                ev = m.TokenEvent(request_id=request_id, index=req.next_index, token_id=out.token_id,
+                                  finished=out.finished, finish_reason=out.finish_reason,
+                                  prompt_tokens=out.prompt_tokens)
+                self._tokens_since += 1
+                TOKENS.labels(req.model).inc()
+            req.next_index += 1
+            with trace.use_span(req.span):
+                await publish(self.broker, req.reply_subject, ev)
+            if ev.finished:
+                req.span.set_attribute("layercast.completion_tokens", req.next_index)
+                req.span.end()
+                del self.requests[request_id]
+
+    def _subscribe(self) -> None:
+        b = self.broker
+        wid = self.config.worker_id
+
+        @b.subscriber(subjects.worker_command(wid))
+        @rpc(m.WorkerCommand)
+        async def command(cmd: m.WorkerCommand) -> m.CommandAck:
+            op = cmd.root
+            if isinstance(op, m.LoadModel):
+                if op.instance_id in self.instances or op.instance_id in self._loading:
+                    return m.CommandAck(accepted=True, detail="already loaded or loading")
+                if not os.path.isdir(op.path):
+                    raise DomainError(f"checkpoint path {op.path!r} is not readable on {wid}", code="not_found")
+                self._loading.add(op.instance_id)
+                info = m.InstanceInfo(instance_id=op.instance_id, model=op.model, stages=[
+                    m.Stage(worker_id=wid, block_start=op.block_start, block_end=op.block_end)],
+                    state=m.InstanceState.loading, created_at=time.time(), scale_op_id=op.scale_op_id)
+                asyncio.create_task(self._load(op, info))
+                return m.CommandAck(accepted=True, detail="loading")
+            inst = self.instances.get(op.instance_id)
+            if inst is None:
+                return m.CommandAck(accepted=False, detail=f"instance {op.instance_id} is not on {wid}")
+            asyncio.create_task(self._stop_instance(inst, "unloaded by planner", op.drain_timeout_s))
+            return m.CommandAck(accepted=True, detail="draining")
+
+        @b.subscriber(subjects.worker_generate(wid))
+        @rpc(m.GenerateRequest)
+        async def generate(req: m.GenerateRequest) -> m.GenerateAccepted:
+            inst = self.instances.get(req.instance_id)
+            if inst is None or inst.draining:
+                raise DomainError(f"instance {req.instance_id} is not serving on {wid}", code="unavailable")
+            try:
+                params = SamplingParams(temperature=req.sampling.temperature, top_p=req.sampling.top_p,
+                                        max_tokens=req.sampling.max_tokens, seed=req.sampling.seed,
+                                        stop_token_ids=tuple(req.sampling.stop_token_ids))
+            except ValueError as e:
+                raise DomainError(str(e)) from e
+            span = _tracer.start_span("worker.generate", attributes={
+                "layercast.model": req.model, "layercast.worker": wid, "layercast.instance": req.instance_id,
+                "layercast.prompt_tokens": len(req.prompt_ids)})
+            self.requests[req.request_id] = _Request(req.instance_id, req.model, req.reply_subject, span)
+            self.runtime.submit(req.instance_id, req.request_id, req.prompt_ids, params)
+            return m.GenerateAccepted(request_id=req.request_id, queued=self.runtime.running(req.instance_id))
+
+        @b.subscriber(subjects.worker_cancel(wid))
+        @on_event(m.CancelRequest)
+        async def cancel(ev: m.CancelRequest) -> None:
+            req = self.requests.pop(ev.request_id, None)
+            if req is not None:
+                self.runtime.cancel(ev.request_id)
+                req.span.set_attribute("layercast.cancelled", True)
+                req.span.end()
+

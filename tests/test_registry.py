@@ -1,0 +1,170 @@
+"""The registry against real NATS and real Postgres: persistence, heartbeats,
+bad input, migrations."""
+
+import asyncio
+import time
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import create_engine
+
+from libs.db.engine import migrate, sync_url
+from libs.db.models import Base
+from libs.protocol import messages as m
+from libs.protocol import subjects
+from libs.protocol.bus import RemoteError, call, make_broker, publish, start_broker
+from services.registry.service import RegistryService
+
+
+def registration(worker_id: str = "w1") -> m.RegisterWorker:
+    return m.RegisterWorker(worker_id=worker_id, data_address="127.0.0.1:7000",
+                            topology=m.Topology(host="h1", leaf="leaf-a", link_gbps=25),
+                            capacities={m.Tier.gpu: 1 << 30, m.Tier.host: 4 << 30, m.Tier.ssd: 100 << 30})
+
+
+def deployment(name: str = "demo") -> m.DeployModel:
+    return m.DeployModel(name=name, path="/models/demo", arch="LlamaForCausalLM", n_layers=4, blocks=[
+        m.BlockInfo(block_id=0, nbytes=1000, checksum="0000abcd", layer_start=0, layer_end=2),
+        m.BlockInfo(block_id=1, nbytes=900, checksum="0000abce", layer_start=2, layer_end=4)],
+        min_instances=0, max_instances=2, keep_alive_s=30)
+
+
+@pytest.fixture
+async def client(nats_url):
+    broker = make_broker(nats_url)
+    await start_broker(broker)
+    yield broker
+    await broker.stop()
+
+
+async def started(database_url: str, nats_url: str, ttl: float = 5.0) -> RegistryService:
+    reg = RegistryService(database_url, nats_url, heartbeat_ttl_s=ttl)
+    await reg.start()
+    return reg
+
+
+async def test_state_survives_a_registry_restart(database_url, nats_url, client):
+    reg = await started(database_url, nats_url)
+    try:
+        await call(client, subjects.REGISTRY_WORKER_REGISTER, registration(), m.WorkerInfo)
+        await call(client, subjects.REGISTRY_MODEL_DEPLOY, deployment(), m.ModelInfo)
+        await publish(client, subjects.EVENT_BLOCK, m.BlockEvent(model="demo", block_id=1, worker_id="w1",
+                                                                 tier=m.Tier.host, state=m.ReplicaState.ready))
+        await call(client, subjects.REGISTRY_SCALEOP_RECORD, m.RecordScaleOp(
+            scale_op_id="op-1", model="demo", direction="up", reason="test", from_instances=0, to_instances=1,
+            state="running", timings={"decided": 1.0}), m.ScaleOpInfo)
+        await asyncio.sleep(0.3)  # the block event is fire-and-forget
+    finally:
+        await reg.stop()
+    with pytest.raises(TimeoutError):  # really down
+        await call(client, subjects.REGISTRY_MODEL_GET, m.ModelRef(name="demo"), m.ModelInfo, timeout=0.5)
+
+    reg = await started(database_url, nats_url)
+    try:
+        info = await call(client, subjects.REGISTRY_MODEL_GET, m.ModelRef(name="demo"), m.ModelInfo)
+        assert [b.checksum for b in info.blocks] == ["0000abcd", "0000abce"]
+        assert info.total_bytes == 1900 and info.max_instances == 2
+        view = await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
+        assert [w.worker_id for w in view.workers] == ["w1"]
+        assert view.workers[0].topology.leaf == "leaf-a"
+        assert [(r.worker_id, r.block_id, r.tier) for r in view.replicas] == [("w1", 1, m.Tier.host)]
+        assert view.scale_ops[0].scale_op_id == "op-1" and view.scale_ops[0].timings == {"decided": 1.0}
+    finally:
+        await reg.stop()
+
+
+async def test_heartbeats_keep_a_worker_alive_and_their_absence_expires_it(database_url, nats_url, client):
+    reg = await started(database_url, nats_url, ttl=0.6)
+    expired: list[m.WorkerExpired] = []
+    sub = client.subscriber(subjects.EVENT_WORKER_EXPIRED)
+
+    @sub
+    async def on_expired(body: dict) -> None:
+        expired.append(m.WorkerExpired.model_validate(body))
+
+    await sub.start()
+    try:
+        await call(client, subjects.REGISTRY_WORKER_REGISTER, registration("w1"), m.WorkerInfo)
+        await call(client, subjects.REGISTRY_WORKER_REGISTER, registration("w2"), m.WorkerInfo)
+        # w1 heartbeats, w2 stays silent.
+        for _ in range(8):
+            await publish(client, subjects.EVENT_HEARTBEAT, m.Heartbeat(**registration("w1").model_dump()))
+            await asyncio.sleep(0.2)
+        view = await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
+        assert [w.worker_id for w in view.workers] == ["w1"]
+        assert [e.worker_id for e in expired] == ["w2"]
+        dead = await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(include_dead=True), m.ClusterView)
+        assert {w.worker_id: w.state for w in dead.workers} == {"w1": "alive", "w2": "dead"}
+        # A heartbeat from an expired worker re-admits it.
+        await publish(client, subjects.EVENT_HEARTBEAT, m.Heartbeat(**registration("w2").model_dump()))
+        await asyncio.sleep(0.2)
+        view = await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
+        assert {w.worker_id for w in view.workers} == {"w1", "w2"}
+    finally:
+        await sub.stop()
+        await reg.stop()
+
+
+async def test_worker_expiry_fails_its_instances(database_url, nats_url, client):
+    reg = await started(database_url, nats_url, ttl=0.5)
+    try:
+        await call(client, subjects.REGISTRY_WORKER_REGISTER, registration("w1"), m.WorkerInfo)
+        await call(client, subjects.REGISTRY_MODEL_DEPLOY, deployment(), m.ModelInfo)
+        await call(client, subjects.REGISTRY_INSTANCE_CREATE, m.CreateInstance(
+            instance_id="i1", model="demo", stages=[m.Stage(worker_id="w1", block_start=0, block_end=2)]),
+            m.InstanceInfo)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            view = await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
+            if not view.instances:
+                break
+            await asyncio.sleep(0.1)
+        assert view.instances == [] and view.workers == []
+    finally:
+        await reg.stop()
+
+
+async def test_malformed_requests_get_errors_and_the_registry_keeps_serving(database_url, nats_url, client):
+    reg = await started(database_url, nats_url)
+    try:
+        for bad in (b"not json", {"worker_id": "w 1"}, {"worker_id": "w1", "data_address": 3}, [1, 2]):
+            reply = await client.request(bad, subjects.REGISTRY_WORKER_REGISTER, timeout=2)
+            body = await reply.decode()
+            assert body["code"] == "invalid" and "RegisterWorker" in body["error"]
+        await publish(client, subjects.EVENT_HEARTBEAT, m.ModelRef(name="not a heartbeat"))
+        with pytest.raises(RemoteError, match="not found"):
+            await call(client, subjects.REGISTRY_MODEL_GET, m.ModelRef(name="nope"), m.ModelInfo)
+        await call(client, subjects.REGISTRY_MODEL_DEPLOY, deployment(), m.ModelInfo)
+        with pytest.raises(RemoteError, match="already deployed"):
+            await call(client, subjects.REGISTRY_MODEL_DEPLOY, deployment(), m.ModelInfo)
+        info = await call(client, subjects.REGISTRY_WORKER_REGISTER, registration(), m.WorkerInfo)
+        assert info.state == "alive"
+    finally:
+        await reg.stop()
+
+
+async def test_deleted_model_is_hidden_and_can_be_redeployed(database_url, nats_url, client):
+    reg = await started(database_url, nats_url)
+    try:
+        await call(client, subjects.REGISTRY_MODEL_DEPLOY, deployment(), m.ModelInfo)
+        deleted = await call(client, subjects.REGISTRY_MODEL_DELETE, m.ModelRef(name="demo"), m.ModelInfo)
+        assert deleted.state == m.ModelState.deleted
+        models = await call(client, subjects.REGISTRY_MODEL_LIST, m.ListModels(), m.ModelList)
+        assert models.models == []
+        again = await call(client, subjects.REGISTRY_MODEL_DEPLOY, deployment(), m.ModelInfo)
+        assert again.state == m.ModelState.deployed
+    finally:
+        await reg.stop()
+
+
+@pytest.mark.parametrize("kind", ["postgres", "sqlite"])
+def test_migrations_match_the_models_on_both_databases(kind, database_url, tmp_path):
+    url = database_url if kind == "postgres" else f"sqlite:///{tmp_path / 'r.db'}"
+    migrate(url)
+    migrate(url)  # idempotent: every start runs it
+    engine = create_engine(sync_url(url))
+    with engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    engine.dispose()
+    assert diff == []

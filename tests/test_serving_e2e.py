@@ -1,0 +1,258 @@
+"""The whole slice as separate processes: NATS, Postgres, registry, planner,
+load-monitor, gateway and two workers, driven through the HTTP API and the
+official `openai` client."""
+
+import os
+import shutil
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from libs.checkpoint import CheckpointIndex
+from services.cli.app import deploy_model
+from services.cli.cluster import ClusterSpec, free_port, start_cluster, stop_processes
+from conftest import fresh_database
+
+pytestmark = pytest.mark.slow
+
+API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
+QUEUE_TIMEOUT_S = 4
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
+    with fresh_database(postgres_server_url) as db:
+        spec = ClusterSpec(state_dir=tmp_path_factory.mktemp("cluster"), port=free_port(), api_key=API_KEY,
+                           admin_key=ADMIN_KEY, workers=2, nats_url=nats_url, database_url=db,
+                           namespace=f"lce{uuid.uuid4().hex[:8]}", heartbeat_ttl_s=2.0,
+                           extra_env={"LAYERCAST_QUEUE_TIMEOUT": str(QUEUE_TIMEOUT_S)})
+        state = start_cluster(spec)
+        try:
+            deploy_model(state, "tiny", tiny_checkpoint, min_instances=0, max_instances=2, keep_alive_s=600)
+            yield state
+        finally:
+            stop_processes(state.processes)
+
+
+def api(cluster, key: str | None = API_KEY) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=cluster.gateway_url, headers=headers, timeout=60)
+
+
+def admin(cluster) -> httpx.Client:
+    return api(cluster, ADMIN_KEY)
+
+
+def instances(cluster, model: str, state: str | None = "ready") -> list[dict]:
+    described = admin(cluster).get(f"/admin/v1/models/{model}").json()
+    return [i for i in described["instances"] if state is None or i["state"] == state]
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def test_first_request_scales_from_zero_then_warm(cluster):
+    assert instances(cluster, "tiny", state=None) == []
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 8, "temperature": 0}
+    t0 = time.perf_counter()
+    r = api(cluster).post("/v1/completions", json=body)
+    cold = time.perf_counter() - t0
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "text_completion" and out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 8
+    t0 = time.perf_counter()
+    assert api(cluster).post("/v1/completions", json=body).json()["choices"][0]["text"] == out["choices"][0]["text"]
+    warm = time.perf_counter() - t0
+    print(f"\nfirst request from zero: {cold * 1000:.0f} ms, warm: {warm * 1000:.0f} ms")
+    (inst,) = instances(cluster, "tiny")
+    ops = admin(cluster).get("/admin/v1/models/tiny").json()["scale_ops"]
+    up = [op for op in ops if op["direction"] == "up"]
+    assert up and up[-1]["state"] == "done"
+    assert {"decided", "planned", f"ready:{inst['instance_id']}"} <= set(up[-1]["timings"])
+    replicas = admin(cluster).get("/admin/v1/models/tiny").json()["replicas"]
+    worker = inst["stages"][0]["worker_id"]
+    assert {(r["block_id"], r["tier"]) for r in replicas if r["worker_id"] == worker} >= {(0, "gpu"), (1, "gpu")}
+
+
+def test_greedy_output_equals_hugging_face_generate(cluster, tiny_checkpoint):
+    hf_dir = Path(tiny_checkpoint).parent / "hf"
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    for prompt in ("The quick brown fox", "a"):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            ref = model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                                 pad_token_id=tokenizer.pad_token_id)
+        expected = tokenizer.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
+        r = api(cluster).post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 12,
+                                                      "temperature": 0})
+        got = r.json()
+        if got["choices"][0]["finish_reason"] == "length":
+            assert got["choices"][0]["text"] == expected
+        else:  # an eos before 12 tokens: the text must be a prefix of the forced continuation
+            assert expected.startswith(got["choices"][0]["text"])
+
+
+def test_openai_client_completion_and_streamed_chat(cluster):
+    client = openai.OpenAI(base_url=cluster.gateway_url + "/v1", api_key=API_KEY)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    done = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0)
+    assert done.choices[0].finish_reason in ("length", "stop") and done.usage.completion_tokens >= 1
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert full.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == full.choices[0].message.content
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    streamed = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+
+
+def test_seeds_stop_sequences_and_sampling_parameters(cluster):
+    c = api(cluster)
+    body = {"model": "tiny", "prompt": "seeded", "max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 7}
+    a, b = (c.post("/v1/completions", json=body).json()["choices"][0]["text"] for _ in range(2))
+    assert a == b
+    others = {c.post("/v1/completions", json={**body, "seed": s}).json()["choices"][0]["text"] for s in range(8, 12)}
+    assert len(others | {a}) > 1
+    base = c.post("/v1/completions", json={"model": "tiny", "prompt": "stop here", "max_tokens": 24,
+                                           "temperature": 0}).json()["choices"][0]["text"]
+    stop = base[5:8]
+    assert stop and stop in base
+    cut = c.post("/v1/completions", json={"model": "tiny", "prompt": "stop here", "max_tokens": 24,
+                                          "temperature": 0, "stop": [stop]}).json()
+    assert cut["choices"][0]["text"] == base[:base.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_every_bad_request_gets_an_openai_error(cluster):
+    ok = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    assert_openai_error(api(cluster, None).post("/v1/completions", json=ok), 401)
+    assert_openai_error(api(cluster, "sk-wrong").post("/v1/completions", json=ok), 401)
+    assert_openai_error(api(cluster, None).get("/v1/models"), 401)
+    c = api(cluster)
+    assert_openai_error(c.post("/v1/completions", json={**ok, "model": "nope"}), 404, "model")
+    assert_openai_error(c.post("/v1/chat/completions", json={"model": "nope", "messages": [
+        {"role": "user", "content": "x"}]}), 404, "model")
+    assert_openai_error(c.post("/v1/completions", content=b"{not json",
+                               headers={"Content-Type": "application/json"}), 400)
+    assert_openai_error(c.post("/v1/completions", json={**ok, "temperature": 5}), 400, "temperature")
+    assert_openai_error(c.post("/v1/completions", json={**ok, "top_p": 0}), 400, "top_p")
+    assert_openai_error(c.post("/v1/completions", json={**ok, "max_tokens": 0}), 400, "max_tokens")
+    assert_openai_error(c.post("/v1/completions", json={**ok, "max_tokens": 10**6}), 400, "max_tokens")
+    assert_openai_error(c.post("/v1/completions", json={**ok, "n": 3}), 400, "n")
+    assert_openai_error(c.post("/v1/completions", json={**ok, "stop": ["a", "b", "c", "d", "e"]}), 400, "stop")
+    assert_openai_error(c.post("/v1/completions", json={"model": "tiny"}), 400, "prompt")
+    assert_openai_error(c.post("/v1/completions", json={**ok, "prompt": [1, 10**9]}), 400, "prompt")
+    assert_openai_error(c.post("/v1/chat/completions", json={"model": "tiny", "messages": []}), 400, "messages")
+    assert_openai_error(c.post("/v1/chat/completions", json={"model": "tiny", "messages": [
+        {"role": "wizard", "content": "x"}]}), 400)
+    assert_openai_error(c.get("/v1/nothing-here"), 404)
+    # admin API: its own key, validated paths
+    assert_openai_error(c.get("/admin/v1/cluster"), 401)
+    a = admin(cluster)
+    assert_openai_error(a.post("/admin/v1/models", json={"name": "x", "path": "/does/not/exist"}), 400, "path")
+    assert_openai_error(a.post("/admin/v1/models", json={"name": "x", "path": "/tmp"}), 400, "path")
+    assert_openai_error(a.post("/admin/v1/models", json={"name": "bad name!", "path": "/tmp"}), 400, "name")
+    assert_openai_error(a.get("/admin/v1/models/nope"), 404)
+    assert_openai_error(a.delete("/admin/v1/models/nope"), 404)
+    # nothing above disturbed serving
+    assert c.post("/v1/completions", json=ok).status_code == 200
+
+
+def test_corrupt_block_is_never_served_and_a_full_queue_says_retry_later(cluster, tiny_checkpoint, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken)
+    index = CheckpointIndex.load(broken)
+    with open(broken / index.data_file, "r+b") as f:
+        f.seek(index.blocks[1].offset + 10)
+        byte = f.read(1)
+        f.seek(index.blocks[1].offset + 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    r = admin(cluster).post("/admin/v1/models", json={"name": "broken", "path": str(broken), "max_queue": 1})
+    assert r.status_code == 201, r.text
+    results: dict[str, httpx.Response] = {}
+
+    def first() -> None:
+        results["first"] = api(cluster).post("/v1/completions", json={"model": "broken", "prompt": "x"})
+
+    t = threading.Thread(target=first)
+    t.start()
+    time.sleep(1.0)
+    second = api(cluster).post("/v1/completions", json={"model": "broken", "prompt": "y"})
+    assert_openai_error(second, 429)
+    assert int(second.headers["Retry-After"]) >= 1
+    t.join(QUEUE_TIMEOUT_S + 30)
+    assert_openai_error(results["first"], 503)
+    assert int(results["first"].headers["Retry-After"]) >= 1
+    assert instances(cluster, "broken") == []
+    logs = "".join(Path(p.log).read_text(errors="replace") for p in cluster.processes if p.name.startswith("worker"))
+    assert "checksum mismatch" in logs.lower() and "block 1" in logs
+    assert admin(cluster).delete("/admin/v1/models/broken").status_code == 200
+
+
+def test_keep_alive_scale_down_then_warm_start_on_the_worker_holding_host_copies(cluster, tiny_checkpoint):
+    r = admin(cluster).post("/admin/v1/models", json={"name": "brief", "path": str(tiny_checkpoint),
+                                                     "keep_alive_s": 1.0})
+    assert r.status_code == 201, r.text
+    c = api(cluster)
+    assert c.post("/v1/completions", json={"model": "brief", "prompt": "x", "max_tokens": 2}).status_code == 200
+    (inst,) = instances(cluster, "brief")
+    worker = inst["stages"][0]["worker_id"]
+    wait_for(lambda: not instances(cluster, "brief", state=None), 15, "scale to zero after keep-alive")
+    assert [m["id"] for m in c.get("/v1/models").json()["data"]].count("brief") == 1  # still listed at zero
+    replicas = admin(cluster).get("/admin/v1/models/brief").json()["replicas"]
+    assert {(r["worker_id"], r["tier"]) for r in replicas} == {(worker, "host")}
+    assert c.post("/v1/completions", json={"model": "brief", "prompt": "x", "max_tokens": 2}).status_code == 200
+    (again,) = instances(cluster, "brief")
+    assert again["stages"][0]["worker_id"] == worker  # locality: the host copy wins
+    assert admin(cluster).delete("/admin/v1/models/brief").status_code == 200
+    assert "brief" not in [m["id"] for m in c.get("/v1/models").json()["data"]]
+    assert_openai_error(c.post("/v1/completions", json={"model": "brief", "prompt": "x"}), 404, "model")
+    wait_for(lambda: not instances(cluster, "brief", state=None), 15, "deleted model's instances to stop")
+
+
+def test_a_dead_worker_is_expired_and_traffic_moves_to_the_other(cluster):
+    c = api(cluster)
+    assert c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
+    (inst,) = instances(cluster, "tiny")
+    victim = inst["stages"][0]["worker_id"]
+    proc = next(p for p in cluster.processes if p.name == victim)
+    os.kill(proc.pid, signal.SIGKILL)
+    wait_for(lambda: victim not in {w["worker_id"] for w in admin(cluster).get("/admin/v1/cluster").json()["workers"]},
+             15, "heartbeat expiry")
+    r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    (moved,) = instances(cluster, "tiny")
+    assert moved["stages"][0]["worker_id"] != victim
