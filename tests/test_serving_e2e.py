@@ -2,7 +2,9 @@
 load-monitor, gateway and two workers, driven through the HTTP API and the
 official `openai` client."""
 
+import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -33,7 +35,9 @@ def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
         spec = ClusterSpec(state_dir=tmp_path_factory.mktemp("cluster"), port=free_port(), api_key=API_KEY,
                            admin_key=ADMIN_KEY, workers=2, nats_url=nats_url, database_url=db,
                            namespace=f"lce{uuid.uuid4().hex[:8]}", heartbeat_ttl_s=2.0,
-                           extra_env={"LAYERCAST_QUEUE_TIMEOUT": str(QUEUE_TIMEOUT_S)})
+                           extra_env={"LAYERCAST_QUEUE_TIMEOUT": str(QUEUE_TIMEOUT_S),
+                                      # spans go to the logs, so a test can follow one trace across processes
+                                      "OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"})
         state = start_cluster(spec)
         try:
             deploy_model(state, "tiny", tiny_checkpoint, min_instances=0, max_instances=2, keep_alive_s=600)
@@ -256,3 +260,33 @@ def test_a_dead_worker_is_expired_and_traffic_moves_to_the_other(cluster):
     assert r.status_code == 200, r.text
     (moved,) = instances(cluster, "tiny")
     assert moved["stages"][0]["worker_id"] != victim
+
+
+def spans(cluster, process_prefix: str) -> list[dict]:
+    """Console-exported spans (one JSON object each) from the logs of some processes."""
+    found = []
+    for p in cluster.processes:
+        if p.name.startswith(process_prefix):
+            text = Path(p.log).read_text(errors="replace")
+            for blob in re.findall(r"^\{\n.*?^\}$", text, flags=re.S | re.M):
+                try:
+                    found.append(json.loads(blob))
+                except json.JSONDecodeError:
+                    pass
+    return found
+
+
+def test_one_trace_spans_gateway_and_worker_and_metrics_are_exported(cluster):
+    c = api(cluster)
+    assert c.post("/v1/completions", json={"model": "tiny", "prompt": "trace me", "max_tokens": 3}).status_code == 200
+
+    def joined():
+        gateway = {s["context"]["trace_id"] for s in spans(cluster, "gateway") if s["name"] == "gateway.generate"}
+        worker = {s["context"]["trace_id"] for s in spans(cluster, "worker") if s["name"] == "worker.generate"}
+        return gateway & worker
+
+    assert wait_for(joined, 10, "a gateway and a worker span in one trace")
+    metrics = c.get("/metrics").text
+    for name in ("layercast_gateway_ttft_seconds_bucket", "layercast_gateway_inter_token_seconds_bucket",
+                 "layercast_gateway_queue_depth", "layercast_gateway_requests_total"):
+        assert name in metrics

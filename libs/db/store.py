@@ -3,7 +3,7 @@
 import time
 from datetime import UTC, datetime
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from libs.db.engine import make_sessionmaker
@@ -292,7 +292,3 @@ class RegistryStore:
         async with self.sessions() as s:
             q = select(ScaleOperation).order_by(ScaleOperation.created_at.desc()).limit(limit)
             return [_scale_op_info(r) for r in (await s.scalars(q)).all()]
-
-    async def mark_worker_dead(self, worker_id: str) -> None:
-        async with self.sessions.begin() as s:
-            await s.execute(update(Worker).where(Worker.worker_id == worker_id).values(state="dead"))

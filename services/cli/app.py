@@ -3,6 +3,7 @@
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -155,6 +156,11 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
     if detach:
         return
     console.print("Press Ctrl-C to stop.")
+
+    def _terminate(_sig, _frame):  # SIGTERM (e.g. from a supervisor) stops the cluster like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         while True:
             time.sleep(1)

@@ -1,5 +1,140 @@
 """`layercast bench ...`: benchmarks. Each prints one JSON object (with --json)."""
 
+import json
+import statistics
+import time
+from collections.abc import Callable
+
 import typer
 
 bench_app = typer.Typer(help="Benchmarks; each prints one JSON object with --json.", no_args_is_help=True)
+
+
+def _median_ms(fn: Callable[[], object], repeat: int) -> float:
+    fn()  # warm-up: imports, caches
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(times)
+
+
+def _planners(n_blocks: int) -> dict[str, Callable[[int], Callable[[], object]]]:
+    """Each entry builds, for n workers, a thunk that generates one plan."""
+    from libs.planning.chain import Gpu, chain_ids, plan_chains
+    from libs.planning.estimate import Bandwidths, ModelSpec, Tier, WorkerView, choose_server
+    from libs.planning.multicast import (
+        binary_tree_schedule,
+        binomial_schedule,
+        chain_schedule,
+        execution_pipelines,
+        kway_schedule,
+        kway_subgroups,
+        pipeline_ready_steps,
+        star_schedule,
+    )
+    from libs.planning.multicast_choice import choose_multicast
+    from libs.planning.zigzag import simulate_zigzag_queue
+
+    gib = 1 << 30
+
+    def k_for(n: int) -> int:
+        return max(1, min(4, n // 2))
+
+    def chain(n: int) -> Callable[[], object]:
+        # 4 sources, targets spread over 4 leaves in NVLink groups of 2.
+        k = k_for(n)
+        gpus = [
+            Gpu(i, f"h{i // 8}", f"leaf{(i // 8) % 4}", f"nv{i // 2}", 100.0 + 100.0 * (i % 3 == 0))
+            for i in range(n)
+        ]
+        srcs, tgts = gpus[:k], gpus[k:]
+
+        def run() -> object:
+            return chain_schedule(chain_ids(plan_chains(srcs, tgts, len(tgts))), n_blocks)
+
+        return run
+
+    def kway_pipelines(n: int) -> Callable[[], object]:
+        k = k_for(n)
+
+        def run() -> object:
+            sched = kway_schedule(n, n_blocks, k)
+            return pipeline_ready_steps(sched, n_blocks, execution_pipelines(kway_subgroups(n, k)))
+
+        return run
+
+    def server(n: int) -> Callable[[], object]:
+        bw = Bandwidths(host_to_device=25e9, ssd_to_host=5e9, network_to_host=12.5e9)
+        model = ModelSpec("m", (gib,) * n_blocks)
+        workers = [
+            WorkerView(
+                f"w{i}",
+                bw,
+                free_gpus=i % 2,
+                blocks={"m": {b: (Tier.HOST if (i + b) % 3 == 0 else Tier.SSD) for b in range(n_blocks) if i % 4}},
+                queue_s=0.1 * (i % 5),
+            )
+            for i in range(n)
+        ]
+        return lambda: choose_server(model, workers)
+
+    return {
+        "binomial": lambda n: lambda: binomial_schedule(n, n_blocks),
+        "kway": lambda n: lambda: kway_schedule(n, n_blocks, k_for(n)),
+        "kway_pipelines": kway_pipelines,
+        "chain": chain,
+        "star": lambda n: lambda: star_schedule(n, n_blocks),
+        "binary_tree": lambda n: lambda: binary_tree_schedule(n, n_blocks),
+        "choose_multicast": lambda n: lambda: choose_multicast(
+            k_for(n), n - k_for(n), 16 * gib, n_blocks, 100.0, live=True
+        ),
+        "choose_server": server,
+        # n queued batches of a 32-layer model, one layer load = 6 layer computations.
+        "zigzag_queue": lambda n: lambda: simulate_zigzag_queue(n, 32, 6.0),
+    }
+
+
+@bench_app.command("plan")
+def plan(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    sizes: str = typer.Option("8,64,512", help="Comma-separated worker counts."),
+    n_blocks: int = typer.Option(16, help="Model blocks per plan."),
+    repeat: int = typer.Option(5, help="Timed runs per point (median reported)."),
+    bound_ms: float = typer.Option(50.0, help="Budget a 64-worker plan must meet."),
+) -> None:
+    """Plan-generation time of every planner in libs/planning (median ms)."""
+    ns = [int(x) for x in sizes.split(",") if x.strip()]
+    plan_ms: dict[str, dict[str, float]] = {}
+    for name, build in _planners(n_blocks).items():
+        plan_ms[name] = {str(n): round(_median_ms(build(n), repeat), 3) for n in ns}
+
+    from libs.planning.zigzag import zigzag_ilp
+
+    ilp_ms = round(_median_ms(lambda: zigzag_ilp(7, 7, 6.0), repeat), 3)
+    at_64 = [v["64"] for v in plan_ms.values() if "64" in v]
+    result = {
+        "plan_ms": plan_ms,
+        "zigzag_ilp_7x7_ms": ilp_ms,
+        "n_blocks": n_blocks,
+        "repeat": repeat,
+        "bound_ms": bound_ms,
+        "all_64_under_bound": bool(at_64) and all(v < bound_ms for v in at_64),
+    }
+    if json_out:
+        typer.echo(json.dumps(result))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"plan generation, median ms ({n_blocks} blocks)")
+    table.add_column("planner")
+    for n in ns:
+        table.add_column(f"{n} workers", justify="right")
+    for name, row in plan_ms.items():
+        table.add_row(name, *(f"{row[str(n)]:.3f}" for n in ns))
+    console = Console()
+    console.print(table)
+    console.print(f"zigzag ILP 7x7: {ilp_ms:.3f} ms; all 64-worker plans under {bound_ms} ms: "
+                  f"{result['all_64_under_bound']}")

@@ -3,7 +3,7 @@
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from libs.telemetry import HealthServer, setup_logging, setup_tracing
 
@@ -23,8 +23,7 @@ class Service:
         return True
 
 
-async def serve(service: Service, health_host: str, health_port: int | None,
-                ready_hook: Callable[[int], Awaitable[None]] | None = None) -> None:
+async def serve(service: Service, health_host: str, health_port: int | None) -> None:
     """Run until SIGINT/SIGTERM. A health port of None means no health endpoint."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -36,8 +35,6 @@ async def serve(service: Service, health_host: str, health_port: int | None,
         port = await health.start()
         log.info("%s health and metrics on http://%s:%d", service.name, health_host, port)
     await service.start()
-    if ready_hook:
-        await ready_hook(health.port if health else 0)
     await stop.wait()
     log.info("%s stopping", service.name)
     await service.stop()

@@ -1,0 +1,50 @@
+"""Gateway pieces that need no cluster: stop sequences, admission queue."""
+
+import asyncio
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.gateway.errors import APIError
+from services.gateway.routing import ModelRoutes
+from services.gateway.text import StopMatcher
+
+alphabet = st.sampled_from("abc ")
+
+
+@given(st.lists(st.text(alphabet, max_size=4), max_size=12), st.text(alphabet, min_size=1, max_size=3))
+def test_stop_matcher_sends_exactly_the_text_before_the_stop(chunks, stop):
+    text = "".join(chunks)
+    matcher = StopMatcher([stop])
+    sent = "".join(matcher.feed(c) for c in chunks)
+    if stop in text:
+        assert matcher.stopped and sent == text[:text.index(stop)]
+    else:
+        assert not matcher.stopped and sent + matcher.flush() == text
+
+
+async def test_queue_is_bounded_fifo_and_times_out_with_retry_after():
+    routes = ModelRoutes("m", max_queue=2, slots_per_instance=1)
+    waiters = [asyncio.create_task(routes.acquire(5)) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert routes.queued == 2
+    with pytest.raises(APIError) as full:
+        await routes.acquire(5)
+    assert full.value.status == 429 and full.value.retry_after
+    routes.add("i1", "w1")  # one slot: the first waiter gets it
+    first = await waiters[0]
+    assert first.instance_id == "i1" and routes.queued == 1
+    routes.release(first)
+    assert (await waiters[1]).instance_id == "i1"
+    with pytest.raises(APIError) as timed_out:
+        await routes.acquire(0.05)
+    assert timed_out.value.status == 503 and timed_out.value.retry_after
+
+
+async def test_least_loaded_instance_is_chosen():
+    routes = ModelRoutes("m", max_queue=4, slots_per_instance=4)
+    routes.add("a", "w1")
+    routes.add("b", "w2")
+    got = [(await routes.acquire(1)).instance_id for _ in range(4)]
+    assert sorted(got) == ["a", "a", "b", "b"]
