@@ -10,29 +10,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Gauge
 
-
-
-@dataclass(frozen=True)
-class LoadSample:  # INTERIM: replaced by libs.planning.policies when it lands
-    at: float
-    queued: int
-    in_flight: int
-
-
-@dataclass(frozen=True)
-class ConcurrencyPolicy:  # INTERIM
-    target_per_instance: int
-    min_instances: int
-    max_instances: int
-    keep_alive_s: float
-
-    def desired(self, window: list[LoadSample], current: int, last_request_at: float | None, now: float) -> int:
-        import math
-        demand = max((s.queued + s.in_flight for s in window), default=0)
-        want = math.ceil(demand / self.target_per_instance)
-        if want == 0 and current > 0 and last_request_at is not None and now - last_request_at < self.keep_alive_s:
-            want = current
-        return max(self.min_instances, min(self.max_instances, want))
+from libs.planning.policies import ConcurrencyPolicy, MetricsSample, concurrency_policy
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import call, make_broker, on_event, publish, start_broker
@@ -47,7 +25,7 @@ DEMAND = Gauge("layercast_load_monitor_demand_requests", "Queued plus in-flight 
 @dataclass
 class ModelWindow:
     model: m.ModelInfo
-    samples: deque[LoadSample] = field(default_factory=lambda: deque(maxlen=1200))
+    samples: deque[MetricsSample] = field(default_factory=lambda: deque(maxlen=1200))
     last_request_at: float | None = None
     last_sent: tuple[int, float] | None = None  # (desired, when)
 
@@ -81,7 +59,8 @@ class LoadMonitorService(Service):
         await self.broker.stop()
 
     def policy(self, model: m.ModelInfo) -> ConcurrencyPolicy:
-        return ConcurrencyPolicy(target_per_instance=self.target_concurrency, min_instances=model.min_instances,
+        # The deployment sets the bounds and keep-alive; the target is the cluster's.
+        return ConcurrencyPolicy(target=self.target_concurrency, min_instances=model.min_instances,
                                  max_instances=model.max_instances, keep_alive_s=model.keep_alive_s)
 
     async def sync(self) -> None:
@@ -108,28 +87,31 @@ class LoadMonitorService(Service):
     def current_instances(self, model: str) -> int:
         return sum(1 for name, _ in self.live.values() if name == model)
 
-    def sample(self, name: str, now: float) -> LoadSample:
+    def sample(self, name: str, now: float) -> MetricsSample:
         loads = [g[name] for g in self._gateways.values() if name in g]
-        return LoadSample(at=now, queued=sum(x.queued for x in loads), in_flight=sum(x.in_flight for x in loads))
+        states = [state for model, state in self.live.values() if model == name]
+        return MetricsSample(t=now, ready=states.count(m.InstanceState.ready),
+                             warming=states.count(m.InstanceState.loading),
+                             in_flight=sum(x.queued + x.in_flight for x in loads))
 
     async def tick(self, now: float | None = None) -> None:
         now = now or time.time()
         for name, w in self.models.items():
             w.samples.append(self.sample(name, now))
-            while w.samples and w.samples[0].at < now - self.window_s:
+            while w.samples and w.samples[0].t < now - self.window_s:
                 w.samples.popleft()
             current = self.current_instances(name)
-            desired = self.policy(w.model).desired(list(w.samples), current, w.last_request_at, now)
+            desired = concurrency_policy(list(w.samples), self.policy(w.model), last_request_at=w.last_request_at)
             DESIRED.labels(name).set(desired)
-            DEMAND.labels(name).set(w.samples[-1].queued + w.samples[-1].in_flight)
+            DEMAND.labels(name).set(w.samples[-1].in_flight)
             if desired == current:
                 w.last_sent = None
                 continue
             # Repeat the request while the mismatch lasts (the planner reconciles idempotently).
             if w.last_sent and w.last_sent[0] == desired and now - w.last_sent[1] < self.resend_s:
                 continue
-            reason = (f"demand {w.samples[-1].queued} queued + {w.samples[-1].in_flight} in flight, "
-                      f"{current} instance(s)" if desired > current else
+            reason = (f"demand {w.samples[-1].in_flight} queued or in flight, {current} instance(s)"
+                      if desired > current else
                       f"idle for {now - (w.last_request_at or now):.1f}s (keep-alive {w.model.keep_alive_s}s)")
             log.info("scale %s: %d -> %d (%s)", name, current, desired, reason)
             await publish(self.broker, subjects.SCALE_REQUEST, m.ScaleRequest(model=name, desired_instances=desired,

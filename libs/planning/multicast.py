@@ -1,0 +1,564 @@
+"""Block-multicast schedules: binomial pipeline, k-way, star, binary tree, chain.
+
+Every schedule is a flat list of :class:`Transfer` under the single-port model
+used by the papers: steps are numbered from 0, in one step a node sends at most
+one block and receives at most one block, and a transfer at step ``s`` may only
+send a block the sender held *before* step ``s`` (sources hold every block from
+the start).  Executors run schedules data-driven (a worker sends a block as soon
+as it holds it and its schedule says so), so the step number is an ordering,
+not a barrier.
+
+Sources: λScale §4.2 (binomial pipeline, k-way order, Alg. 1 and Alg. 2),
+FaaScale §4, Derecho RDMC (Behrens et al., DSN'18) for the hypercube schedule
+and its "twin" handling of node counts that are not powers of two, FaaSNet for
+the binary tree baseline, BlitzScale §5.1 for chains.
+
+Everything here is pure and deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "Transfer",
+    "ScheduleError",
+    "binomial_schedule",
+    "kway_block_orders",
+    "kway_subgroups",
+    "kway_schedule",
+    "star_schedule",
+    "binary_tree_schedule",
+    "chain_schedule",
+    "execution_pipelines",
+    "arrival_steps",
+    "pipeline_ready_steps",
+    "first_pipeline_step",
+    "pipeline_stages",
+    "schedule_steps",
+    "validate_schedule",
+    "ceil_log2",
+]
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Transfer:
+    """Node ``src`` sends block ``block`` to node ``dst`` in step ``step``."""
+
+    step: int
+    src: int
+    dst: int
+    block: int
+
+
+class ScheduleError(ValueError):
+    """A schedule breaks the single-port / causality / completeness rules."""
+
+
+def ceil_log2(n: int) -> int:
+    """⌈log2 n⌉ for n ≥ 1, exact on integers (no float rounding)."""
+    if n < 1:
+        raise ValueError(f"ceil_log2 needs n >= 1, got {n}")
+    return (n - 1).bit_length()
+
+
+def _check_sizes(n_nodes: int, n_blocks: int) -> None:
+    if n_nodes < 1:
+        raise ValueError(f"n_nodes must be >= 1, got {n_nodes}")
+    if n_blocks < 1:
+        raise ValueError(f"n_blocks must be >= 1, got {n_blocks}")
+
+
+def _sorted(transfers: Iterable[Transfer]) -> list[Transfer]:
+    # One canonical order so equal plans compare equal and executors can
+    # stream a node's part in step order.
+    return sorted(transfers, key=lambda t: (t.step, t.src, t.dst, t.block))
+
+
+# ---------------------------------------------------------------------------
+# Binomial pipeline (λScale §4.2, RDMC's hypercube schedule)
+# ---------------------------------------------------------------------------
+
+
+def _hypercube_block(v: int, step: int, dims: int) -> int | None:
+    """Block vertex ``v`` receives in ``step`` of the 2^dims binomial pipeline.
+
+    RDMC's rule: in step s every vertex exchanges with its neighbour across
+    dimension i = s mod dims; what v receives depends only on v's label
+    rotated right by i (bit i of v becomes bit 0).  Vertex 1<<i is fed fresh
+    blocks by the source (block s); a vertex whose bit i is clear receives the
+    block that entered the cube dims steps ago; otherwise the lowest other set
+    bit j says how far behind the front its copy is.  Block numbers are
+    unclamped here; the caller clamps to the last block and drops repeats.
+    """
+    i = step % dims
+    mask = (1 << dims) - 1
+    r = ((v >> i) | (v << (dims - i))) & mask
+    if r & 1 == 0:
+        return step - dims if step >= dims else None
+    if r == 1:
+        return step
+    j = ((r >> 1) & -(r >> 1)).bit_length()  # index of the lowest set bit above bit 0
+    return step + j - dims if step + j >= dims else None
+
+
+def _hypercube_steps(dims: int, n_blocks: int) -> list[list[tuple[int, int, int]]]:
+    """Per step, the (sender, receiver, block) vertex transfers of a 2^dims cube.
+
+    ``n_blocks + dims - 1`` steps.  Clamping to the last block (as RDMC does)
+    creates repeats near the end; a vertex never receives a block twice here,
+    the first copy wins (it is the one the pipeline proof relies on).
+    """
+    n_vertices = 1 << dims
+    held: list[set[int]] = [set() for _ in range(n_vertices)]
+    held[0] = set(range(n_blocks))
+    steps: list[list[tuple[int, int, int]]] = []
+    for step in range(n_blocks + dims - 1):
+        moves: list[tuple[int, int, int]] = []
+        bit = 1 << (step % dims)
+        for v in range(1, n_vertices):
+            blk = _hypercube_block(v, step, dims)
+            if blk is None:
+                continue
+            blk = min(blk, n_blocks - 1)
+            if blk in held[v]:
+                continue
+            u = v ^ bit
+            if blk not in held[u]:  # pragma: no cover - guarded by the property tests
+                raise AssertionError(f"hypercube: vertex {u} lacks block {blk} at step {step}")
+            moves.append((u, v, blk))
+        for _, v, blk in moves:
+            held[v].add(blk)
+        steps.append(moves)
+    return steps
+
+
+def binomial_schedule(n_nodes: int, n_blocks: int) -> list[Transfer]:
+    """1→N binomial pipeline with node 0 the source (λScale §4.2, RDMC).
+
+    Takes exactly ``n_blocks + ceil(log2 n_nodes) - 1`` steps for n_nodes ≥ 2,
+    which is optimal: the block the source sends last leaves it at step
+    ≥ n_blocks-1 and its holders at most double per step.
+
+    Node counts that are not powers of two use RDMC's twin construction: the
+    hypercube has 2^l vertices with l = ⌊log2 N⌋; vertex 0 is the source alone
+    and vertex v in 1..N-2^l is a *pair* of nodes {v, v + 2^l - 1}.  A pair
+    acts as one vertex of the cube and uses its two ports to keep both nodes
+    fed: in each step one node of the pair (E) sends the vertex's outgoing
+    block while the other (F) takes the vertex's incoming block and hands E
+    the one block only F has.  Invariant (checked by the property tests): each
+    node of a pair lacks at most one block its twin holds, so one extra step
+    where the twins swap their last exclusive blocks completes both.  The cube
+    takes n_blocks + l - 1 steps, the swap one more: n_blocks + ⌈log2 N⌉ - 1.
+    (RDMC flips the inter-vertex receiver on a fixed parity rule; choosing E
+    from what each twin holds gives the same step count with a simpler proof.)
+    """
+    _check_sizes(n_nodes, n_blocks)
+    if n_nodes == 1:
+        return []
+    dims = n_nodes.bit_length() - 1  # ⌊log2 N⌋
+    cube = 1 << dims
+    extra = n_nodes - cube  # vertices 1..extra are doubled
+
+    def twin(v: int) -> int:
+        return v + cube - 1
+
+    # exclusive[v] = (block only p=v holds, block only q=twin(v) holds)
+    excl_p: dict[int, int | None] = {v: None for v in range(1, extra + 1)}
+    excl_q: dict[int, int | None] = {v: None for v in range(1, extra + 1)}
+    out: list[Transfer] = []
+
+    for step, moves in enumerate(_hypercube_steps(dims, n_blocks)):
+        send_of: dict[int, tuple[int, int]] = {u: (v, b) for u, v, b in moves}
+        recv_of: dict[int, int] = {v: b for _, v, b in moves}
+        sender_node: dict[int, int] = {}
+        receiver_node: dict[int, int] = {}
+        intra: list[tuple[int, int, int]] = []  # (src node, dst node, block)
+        new_excl: dict[int, tuple[int | None, int | None]] = {}
+
+        for v in range(1, extra + 1):
+            p, q = v, twin(v)
+            ep, eq = excl_p[v], excl_q[v]
+            out_blk = send_of[v][1] if v in send_of else None
+            in_blk = recv_of.get(v)
+            if out_blk is not None:
+                # E must hold the outgoing block; when both do, let the twin
+                # with an exclusive block be F so that block gets shared.
+                if out_blk == ep:
+                    e_is_p = True
+                elif out_blk == eq:
+                    e_is_p = False
+                else:
+                    e_is_p = not (ep is not None and eq is None)
+                e, f = (p, q) if e_is_p else (q, p)
+                ef = eq if e_is_p else ep
+                ee = ep if e_is_p else eq
+                sender_node[v] = e
+                receiver_node[v] = f
+                if ef is not None:
+                    intra.append((f, e, ef))
+                # E keeps its exclusive; F's old one is now shared, F's new
+                # exclusive is what it just received.
+                after_e, after_f = ee, in_blk
+                new_excl[v] = (after_e, after_f) if e_is_p else (after_f, after_e)
+            elif in_blk is not None:
+                # Only receiving: the receiver R shares its exclusive with the twin.
+                r_is_p = not (eq is not None and ep is None)
+                r, o = (p, q) if r_is_p else (q, p)
+                er = ep if r_is_p else eq
+                eo = eq if r_is_p else ep
+                receiver_node[v] = r
+                if er is not None:
+                    intra.append((r, o, er))
+                new_excl[v] = (in_blk, eo) if r_is_p else (eo, in_blk)
+            else:
+                # Idle vertex: the twins swap whatever only one of them holds.
+                if ep is not None:
+                    intra.append((p, q, ep))
+                if eq is not None:
+                    intra.append((q, p, eq))
+                new_excl[v] = (None, None)
+
+        for u, v, blk in moves:
+            out.append(Transfer(step, sender_node.get(u, u), receiver_node.get(v, v), blk))
+        out.extend(Transfer(step, s, d, b) for s, d, b in intra)
+        for v, (a, b) in new_excl.items():
+            excl_p[v], excl_q[v] = a, b
+
+    if extra:
+        last = n_blocks + dims - 1  # the one extra step of the twin construction
+        for v in range(1, extra + 1):
+            if excl_p[v] is not None:
+                out.append(Transfer(last, v, twin(v), excl_p[v]))  # type: ignore[arg-type]
+            if excl_q[v] is not None:
+                out.append(Transfer(last, twin(v), v, excl_q[v]))  # type: ignore[arg-type]
+    return _sorted(out)
+
+
+# ---------------------------------------------------------------------------
+# k-way transmission (λScale Alg. 1) and execution pipelines (Alg. 2)
+# ---------------------------------------------------------------------------
+
+
+def kway_block_orders(n_blocks: int, k: int) -> list[list[int]]:
+    """λScale Alg. 1: cut the blocks into k chunks of ⌈b/k⌉, shift circularly.
+
+    Sub-group i sends chunk i first, then i+1, …, so the k sub-groups fill
+    complementary parts of the model at the same time and cross-group
+    pipelines hold a full model after about b/k steps.  With b < k some chunks
+    are empty (Alg. 1 as written); those sub-groups then share an order.
+    """
+    if n_blocks < 1:
+        raise ValueError(f"n_blocks must be >= 1, got {n_blocks}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    size = -(-n_blocks // k)  # l = ⌈b/k⌉ (Alg. 1 line 1)
+    chunks = [list(range(size * i, min(size * (i + 1), n_blocks))) for i in range(k)]
+    return [[b for j in range(k) for b in chunks[(i + j) % k]] for i in range(k)]
+
+
+def kway_subgroups(n_nodes: int, k: int) -> list[list[int]]:
+    """Target nodes of each k-way sub-group (sources 0..k-1 excluded).
+
+    Targets k..N-1 are split into k contiguous runs whose sizes differ by at
+    most one, the first (N-k) mod k runs taking the extra node (λScale §4.2:
+    "evenly divides the N nodes into k sub-groups"; Fig. 5 uses contiguous
+    runs: nodes 3-5 and 6-8 for 2→8).
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    n_targets = n_nodes - k
+    if n_targets < k:
+        raise ValueError(
+            f"k-way needs at least one target per sub-group: k={k}, targets={max(n_targets, 0)}"
+        )
+    base, rem = divmod(n_targets, k)
+    groups: list[list[int]] = []
+    nxt = k
+    for i in range(k):
+        size = base + (1 if i < rem else 0)
+        groups.append(list(range(nxt, nxt + size)))
+        nxt += size
+    return groups
+
+
+def _subgroup_schedule(n_nodes: int, n_blocks: int, k: int, orders: Sequence[Sequence[int]]) -> list[Transfer]:
+    out: list[Transfer] = []
+    for i, targets in enumerate(kway_subgroups(n_nodes, k)):
+        members = [i, *targets]  # local node 0 is sub-group i's source
+        order = orders[i]
+        for t in binomial_schedule(len(members), n_blocks):
+            out.append(Transfer(t.step, members[t.src], members[t.dst], order[t.block]))
+    return _sorted(out)
+
+
+def kway_schedule(n_nodes: int, n_blocks: int, k: int) -> list[Transfer]:
+    """k→N scaling (λScale §4.2): k full sources, k binomial sub-groups.
+
+    Nodes 0..k-1 hold the model; the other nodes are split by
+    :func:`kway_subgroups`; sub-group i runs a 1→L_i binomial pipeline from
+    source i in the block order O_i of :func:`kway_block_orders`.  With k = 1
+    this is exactly :func:`binomial_schedule`.  Steps:
+    n_blocks + ⌈log2 max L_i⌉ - 1 where L_i counts the source.
+    """
+    _check_sizes(n_nodes, n_blocks)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if k >= n_nodes:
+        raise ValueError(f"k={k} sources leave no target among {n_nodes} nodes")
+    return _subgroup_schedule(n_nodes, n_blocks, k, kway_block_orders(n_blocks, k))
+
+
+def execution_pipelines(subgroups: Sequence[Sequence[int]]) -> list[list[int]]:
+    """λScale Alg. 2: build execution pipelines from the k sub-groups.
+
+    While more than one sub-group has unassigned nodes, take the a = min
+    remaining size and form a pipelines, the t-th taking the t-th unassigned
+    node of every such sub-group (nodes in equal positions of differently
+    shifted sub-groups hold complementary chunks).  When one sub-group is
+    left, its remaining nodes form one pipeline.
+    """
+    remaining = [list(g) for g in subgroups if len(g) > 0]
+    pipelines: list[list[int]] = []
+    while remaining:
+        if len(remaining) == 1:  # lines 3-5
+            pipelines.append(list(remaining[0]))
+            break
+        a = min(len(g) for g in remaining)  # line 7
+        for t in range(a):  # lines 8-12
+            pipelines.append([g[t] for g in remaining])
+        remaining = [g[a:] for g in remaining if len(g) > a]  # line 13
+    return pipelines
+
+
+# ---------------------------------------------------------------------------
+# Baselines and chains
+# ---------------------------------------------------------------------------
+
+
+def star_schedule(n_nodes: int, n_blocks: int) -> list[Transfer]:
+    """Baseline: source 0 sends the whole model to each target in turn."""
+    _check_sizes(n_nodes, n_blocks)
+    return [
+        Transfer((dst - 1) * n_blocks + blk, 0, dst, blk)
+        for dst in range(1, n_nodes)
+        for blk in range(n_blocks)
+    ]
+
+
+def binary_tree_schedule(n_nodes: int, n_blocks: int) -> list[Transfer]:
+    """Baseline (FaaSNet): block-pipelined binary tree rooted at source 0.
+
+    Heap layout (children of i are 2i+1, 2i+2).  Each node forwards blocks in
+    order, each block to its children in turn; with one send port a parent
+    needs two steps per block, which is why the tree trails the binomial
+    pipeline (λScale §7).
+    """
+    _check_sizes(n_nodes, n_blocks)
+    queues: list[list[tuple[int, int]]] = []
+    for v in range(n_nodes):
+        kids = [c for c in (2 * v + 1, 2 * v + 2) if c < n_nodes]
+        queues.append([(c, b) for b in range(n_blocks) for c in kids])
+    got_at: list[list[int | None]] = [[None] * n_blocks for _ in range(n_nodes)]
+    head = [0] * n_nodes
+    out: list[Transfer] = []
+    step = 0
+    pending = sum(len(q) for q in queues)
+    while pending:
+        for v in range(n_nodes):
+            if head[v] == len(queues[v]):
+                continue
+            child, blk = queues[v][head[v]]
+            held = v == 0 or (got_at[v][blk] is not None and got_at[v][blk] < step)  # type: ignore[operator]
+            if held:
+                out.append(Transfer(step, v, child, blk))
+                got_at[child][blk] = step
+                head[v] += 1
+                pending -= 1
+        step += 1
+    return _sorted(out)
+
+
+def chain_schedule(chains: Sequence[Sequence[int]], n_blocks: int) -> list[Transfer]:
+    """Serial forwarding chains S→T1→…→Tn (BlitzScale §5.1, Fig. 13a).
+
+    Each chain's head holds the model; position p forwards block j in step
+    j + p, so a chain of m targets takes n_blocks + m - 1 steps whatever m's
+    links are.  Chains run side by side and must not share nodes.
+    """
+    if n_blocks < 1:
+        raise ValueError(f"n_blocks must be >= 1, got {n_blocks}")
+    seen: set[int] = set()
+    for chain in chains:
+        for node in chain:
+            if node in seen:
+                raise ValueError(f"node {node} appears in more than one chain position")
+            seen.add(node)
+    out = [
+        Transfer(blk + p, chain[p], chain[p + 1], blk)
+        for chain in chains
+        for p in range(len(chain) - 1)
+        for blk in range(n_blocks)
+    ]
+    return _sorted(out)
+
+
+# ---------------------------------------------------------------------------
+# Analysis helpers shared by tests, the planner and the executors
+# ---------------------------------------------------------------------------
+
+
+def schedule_steps(schedule: Iterable[Transfer]) -> int:
+    """Number of steps a schedule spans (last step + 1; 0 when empty)."""
+    return max((t.step for t in schedule), default=-1) + 1
+
+
+def validate_schedule(
+    schedule: Iterable[Transfer],
+    n_nodes: int,
+    n_blocks: int,
+    sources: Collection[int] = (0,),
+    targets: Collection[int] | None = None,
+) -> int:
+    """Check a schedule under the single-port model; return its step count.
+
+    Raises :class:`ScheduleError` when a node id or block is out of range, a
+    node sends to itself, a node sends or receives more than one block in a
+    step, a sender did not hold the block before the step, a node receives a
+    block it already has (or a source receives at all), or a target (default:
+    every non-source node) ends without some block.
+    """
+    src_set = set(sources)
+    for s in src_set:
+        if not 0 <= s < n_nodes:
+            raise ScheduleError(f"source {s} outside 0..{n_nodes - 1}")
+    tgt_set = set(range(n_nodes)) - src_set if targets is None else set(targets)
+    held: list[set[int]] = [set(range(n_blocks)) if v in src_set else set() for v in range(n_nodes)]
+    by_step: dict[int, list[Transfer]] = {}
+    for t in schedule:
+        if t.step < 0:
+            raise ScheduleError(f"negative step in {t}")
+        if not (0 <= t.src < n_nodes and 0 <= t.dst < n_nodes):
+            raise ScheduleError(f"node outside 0..{n_nodes - 1} in {t}")
+        if not 0 <= t.block < n_blocks:
+            raise ScheduleError(f"block outside 0..{n_blocks - 1} in {t}")
+        if t.src == t.dst:
+            raise ScheduleError(f"self transfer {t}")
+        by_step.setdefault(t.step, []).append(t)
+    for step in sorted(by_step):
+        senders: set[int] = set()
+        receivers: set[int] = set()
+        for t in by_step[step]:
+            if t.src in senders:
+                raise ScheduleError(f"node {t.src} sends twice in step {step}")
+            if t.dst in receivers:
+                raise ScheduleError(f"node {t.dst} receives twice in step {step}")
+            senders.add(t.src)
+            receivers.add(t.dst)
+            if t.block not in held[t.src]:
+                raise ScheduleError(f"node {t.src} sends block {t.block} in step {step} before holding it")
+            if t.block in held[t.dst]:
+                raise ScheduleError(f"node {t.dst} receives block {t.block} again in step {step}")
+        for t in by_step[step]:
+            held[t.dst].add(t.block)
+    for v in sorted(tgt_set):
+        if not 0 <= v < n_nodes:
+            raise ScheduleError(f"target {v} outside 0..{n_nodes - 1}")
+        if len(held[v]) != n_blocks:
+            missing = sorted(set(range(n_blocks)) - held[v])
+            raise ScheduleError(f"node {v} never receives blocks {missing[:8]}")
+    return max(by_step, default=-1) + 1
+
+
+def arrival_steps(
+    schedule: Iterable[Transfer], n_nodes: int, n_blocks: int, sources: Collection[int] = (0,)
+) -> list[list[int | None]]:
+    """``arr[node][block]``: step after which the node holds the block.
+
+    -1 for sources (held from the start), ``None`` if never received.
+    """
+    arr: list[list[int | None]] = [
+        [-1] * n_blocks if v in sources else [None] * n_blocks for v in range(n_nodes)
+    ]
+    for t in schedule:
+        cur = arr[t.dst][t.block]
+        if cur is None or t.step < cur:
+            arr[t.dst][t.block] = t.step
+    return arr
+
+
+def pipeline_ready_steps(
+    schedule: Iterable[Transfer],
+    n_blocks: int,
+    pipelines: Sequence[Sequence[int]],
+    sources: Collection[int] = (),
+) -> list[int]:
+    """For each pipeline, the step after which its nodes jointly hold every block.
+
+    -1 when a member is a source (ready from the start).  Raises ValueError
+    if a pipeline never becomes complete under the schedule.
+    """
+    nodes = {v for p in pipelines for v in p}
+    first: dict[tuple[int, int], int] = {}
+    for t in schedule:
+        if t.dst in nodes:
+            key = (t.dst, t.block)
+            if key not in first or t.step < first[key]:
+                first[key] = t.step
+    ready: list[int] = []
+    for p in pipelines:
+        if any(v in sources for v in p):
+            ready.append(-1)
+            continue
+        worst = -1
+        for blk in range(n_blocks):
+            steps = [first[(v, blk)] for v in p if (v, blk) in first]
+            if not steps:
+                raise ValueError(f"pipeline {list(p)} never holds block {blk}")
+            worst = max(worst, min(steps))
+        ready.append(worst)
+    return ready
+
+
+def first_pipeline_step(
+    schedule: Iterable[Transfer],
+    n_blocks: int,
+    pipelines: Sequence[Sequence[int]],
+    sources: Collection[int] = (),
+) -> int:
+    """The step after which *each* pipeline jointly holds every block.
+
+    This is the max of :func:`pipeline_ready_steps`; the first pipeline to
+    become usable is its min.
+    """
+    return max(pipeline_ready_steps(schedule, n_blocks, pipelines, sources), default=-1)
+
+
+def pipeline_stages(
+    pipeline: Sequence[int], holdings: Mapping[int, Collection[int]], n_blocks: int
+) -> list[tuple[int, int, int]]:
+    """Stages ``(node, first_block, last_block)`` covering blocks 0..b-1.
+
+    Greedy interval cover over the pipeline's nodes: at each uncovered block,
+    take the node whose held run from there reaches furthest (ties: earlier
+    in the pipeline).  This gives the fewest stages, i.e. the fewest
+    activation hops (λScale §4.3 keeps cross-node traffic low).  Raises
+    ValueError if the nodes do not jointly hold every block.
+    """
+    stages: list[tuple[int, int, int]] = []
+    blk = 0
+    while blk < n_blocks:
+        best_node, best_end = None, blk - 1
+        for node in pipeline:
+            have = holdings.get(node, ())
+            end = blk - 1
+            while end + 1 < n_blocks and (end + 1) in have:
+                end += 1
+            if end > best_end:
+                best_node, best_end = node, end
+        if best_node is None:
+            raise ValueError(f"pipeline {list(pipeline)} lacks block {blk}")
+        stages.append((best_node, blk, best_end))
+        blk = best_end + 1
+    return stages
