@@ -14,29 +14,29 @@ log = logging.getLogger(__name__)
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
 
-def _split(url: str) -> tuple[str, str]:
+_DRIVERS = {  # user-facing scheme -> (async driver, sync driver)
+    "postgres": ("postgresql+psycopg", "postgresql+psycopg"),
+    "postgresql": ("postgresql+psycopg", "postgresql+psycopg"),
+    "sqlite": ("sqlite+aiosqlite", "sqlite"),
+}
+
+
+def _with_driver(url: str, asynchronous: bool) -> str:
     scheme, rest = url.split("://", 1)
-    return scheme.split("+", 1)[0], rest
+    drivers = _DRIVERS.get(scheme.split("+", 1)[0])
+    if drivers is None:
+        raise ValueError(f"unsupported DATABASE_URL scheme {scheme!r}: use postgresql:// or sqlite:///")
+    return f"{drivers[0] if asynchronous else drivers[1]}://{rest}"
 
 
 def async_url(url: str) -> str:
     """`postgresql://…` / `sqlite:///…` as given by users -> the async driver URL."""
-    dialect, rest = _split(url)
-    if dialect in ("postgres", "postgresql"):
-        return f"postgresql+psycopg://{rest}"
-    if dialect == "sqlite":
-        return f"sqlite+aiosqlite://{rest}"
-    raise ValueError(f"unsupported DATABASE_URL scheme {dialect!r}: use postgresql:// or sqlite:///")
+    return _with_driver(url, asynchronous=True)
 
 
 def sync_url(url: str) -> str:
     """The same database through a sync driver, for Alembic."""
-    dialect, rest = _split(url)
-    if dialect in ("postgres", "postgresql"):
-        return f"postgresql+psycopg://{rest}"
-    if dialect == "sqlite":
-        return f"sqlite://{rest}"
-    raise ValueError(f"unsupported DATABASE_URL scheme {dialect!r}: use postgresql:// or sqlite:///")
+    return _with_driver(url, asynchronous=False)
 
 
 def alembic_config(url: str) -> Config:

@@ -3,7 +3,9 @@
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+
+from libs.protocol.bus import make_broker, start_broker
 
 from libs.telemetry import HealthServer, setup_logging, setup_tracing
 
@@ -11,16 +13,33 @@ log = logging.getLogger(__name__)
 
 
 class Service:
-    """A service is `start()` (connect, subscribe), `stop()` and `healthy()`."""
+    """A service owns a broker (subscriptions are added in its constructor),
+    background loops started with it, and a health answer."""
 
     name: str = "service"
 
-    async def start(self) -> None: ...
+    def __init__(self, nats_url: str | None = None):
+        self.broker = make_broker(nats_url)
+        self._tasks: list[asyncio.Task] = []
+        self._started = False
 
-    async def stop(self) -> None: ...
+    def background(self) -> list[Coroutine]:
+        """Loops to run while the service is up."""
+        return []
+
+    async def start(self) -> None:
+        await start_broker(self.broker)
+        self._tasks = [asyncio.create_task(loop) for loop in self.background()]
+        self._started = True
+
+    async def stop(self) -> None:
+        self._started = False
+        for t in self._tasks:
+            t.cancel()
+        await self.broker.stop()
 
     def healthy(self) -> bool:
-        return True
+        return self._started
 
 
 async def serve(service: Service, health_host: str, health_port: int | None) -> None:

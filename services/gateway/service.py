@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from libs.checkpoint import CheckpointIndex
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from libs.protocol.bus import RemoteError, call, make_broker, on_event, publish, start_broker
+from libs.protocol.bus import RemoteError, call, on_event, publish
 from libs.telemetry import tracer
 from services.common.runner import Service
 from services.gateway.errors import APIError
@@ -139,11 +139,10 @@ class GatewayService(Service):
     name = "gateway"
 
     def __init__(self, config: GatewayConfig | None = None, nats_url: str | None = None):
+        super().__init__(nats_url)
         self.config = config or GatewayConfig()
-        self.broker = make_broker(nats_url)
         self.models: dict[str, ModelEntry] = {}
         self.streams: dict[str, Generation] = {}
-        self._tasks: list[asyncio.Task] = []
         self._synced = False
         self._demand = asyncio.Event()
         self._subscribe()
@@ -151,14 +150,8 @@ class GatewayService(Service):
     def healthy(self) -> bool:
         return self._synced
 
-    async def start(self) -> None:
-        await start_broker(self.broker)
-        self._tasks += [asyncio.create_task(self._resync_loop()), asyncio.create_task(self._metrics_loop())]
-
-    async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await self.broker.stop()
+    def background(self) -> list:
+        return [self._resync_loop(), self._metrics_loop()]
 
     # --- model table -------------------------------------------------------------------
     async def add_model(self, info: m.ModelInfo) -> ModelEntry:

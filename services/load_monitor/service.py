@@ -13,7 +13,7 @@ from prometheus_client import Gauge
 from libs.planning.policies import ConcurrencyPolicy, MetricsSample, concurrency_policy
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from libs.protocol.bus import call, make_broker, on_event, publish, start_broker
+from libs.protocol.bus import call, on_event, publish
 from services.common.runner import Service
 
 log = logging.getLogger(__name__)
@@ -35,28 +35,21 @@ class LoadMonitorService(Service):
 
     def __init__(self, nats_url: str | None = None, tick_s: float = 0.1, window_s: float = 10.0,
                  target_concurrency: int = 8, resend_s: float = 2.0):
-        self.broker = make_broker(nats_url)
+        super().__init__(nats_url)
         self.tick_s, self.window_s, self.resend_s = tick_s, window_s, resend_s
         self.target_concurrency = target_concurrency
         self.models: dict[str, ModelWindow] = {}
         self.live: dict[str, tuple[str, m.InstanceState]] = {}  # instance_id -> (model, state)
         # Latest report of each gateway, per model: several gateways add up.
         self._gateways: dict[str, dict[str, m.ModelLoad]] = {}
-        self._tasks: list[asyncio.Task] = []
         self._synced = False
         self._subscribe()
 
     def healthy(self) -> bool:
         return self._synced
 
-    async def start(self) -> None:
-        await start_broker(self.broker)
-        self._tasks += [asyncio.create_task(self._sync_loop()), asyncio.create_task(self._tick_loop())]
-
-    async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await self.broker.stop()
+    def background(self) -> list:
+        return [self._sync_loop(), self._tick_loop()]
 
     def policy(self, model: m.ModelInfo) -> ConcurrencyPolicy:
         # The deployment sets the bounds and keep-alive; the target is the cluster's.

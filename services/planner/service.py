@@ -18,7 +18,7 @@ from opentelemetry import trace
 from libs.planning.placement import Candidate, Held, LiveInstance, pick_targets, pick_victims
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from libs.protocol.bus import RemoteError, call, make_broker, on_event, publish, start_broker
+from libs.protocol.bus import RemoteError, call, on_event, publish
 from libs.telemetry import tracer
 from services.common.runner import Service
 
@@ -32,24 +32,13 @@ class PlannerService(Service):
     name = "planner"
 
     def __init__(self, nats_url: str | None = None, drain_timeout_s: float = 30.0):
-        self.broker = make_broker(nats_url)
+        super().__init__(nats_url)
         self.drain_timeout_s = drain_timeout_s
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._open_ops: dict[str, m.ScaleOpInfo] = {}  # scale_op_id -> op waiting for instances
         self._waiting: dict[str, str] = {}  # instance_id -> scale_op_id
         self._load: dict[str, int] = {}  # worker_id -> running requests (worker metrics)
-        self._started = False
         self._subscribe()
-
-    def healthy(self) -> bool:
-        return self._started
-
-    async def start(self) -> None:
-        await start_broker(self.broker)
-        self._started = True
-
-    async def stop(self) -> None:
-        await self.broker.stop()
 
     async def reconcile(self, req: m.ScaleRequest) -> m.ScaleOpInfo | None:
         """Bring the model to `req.desired_instances`; returns the operation started, if any."""

@@ -9,7 +9,7 @@ from libs.db.engine import make_engine, migrate
 from libs.db.store import RegistryStore
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from libs.protocol.bus import DomainError, make_broker, on_event, publish, rpc, start_broker
+from libs.protocol.bus import DomainError, on_event, publish, rpc
 from services.common.runner import Service
 
 log = logging.getLogger(__name__)
@@ -19,33 +19,26 @@ class RegistryService(Service):
     name = "registry"
 
     def __init__(self, database_url: str, nats_url: str | None = None, heartbeat_ttl_s: float = 5.0):
+        super().__init__(nats_url)
         self.database_url = database_url
         self.heartbeat_ttl_s = heartbeat_ttl_s
-        self.broker = make_broker(nats_url)
         self.engine = None
         self.store: RegistryStore | None = None
-        self._expiry_task: asyncio.Task | None = None
-        self._ready = False
         self._subscribe()
 
-    def healthy(self) -> bool:
-        return self._ready
+    def background(self) -> list:
+        return [self._expire_loop()]
 
     async def start(self) -> None:
         # Alembic is synchronous; run it off the event loop.
         await asyncio.to_thread(migrate, self.database_url)
         self.engine = make_engine(self.database_url)
         self.store = RegistryStore(self.engine)
-        await start_broker(self.broker)
-        self._expiry_task = asyncio.create_task(self._expire_loop())
-        self._ready = True
+        await super().start()
         log.info("registry ready (database migrated)")
 
     async def stop(self) -> None:
-        self._ready = False
-        if self._expiry_task:
-            self._expiry_task.cancel()
-        await self.broker.stop()
+        await super().stop()
         if self.engine is not None:
             await self.engine.dispose()
 

@@ -21,7 +21,7 @@ from libs.checkpoint import CheckpointIndex, load_block
 from libs.engine import Engine, SamplingParams, TokenOutput
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from libs.protocol.bus import DomainError, call, make_broker, on_event, publish, rpc, start_broker
+from libs.protocol.bus import DomainError, call, on_event, publish, rpc
 from libs.telemetry import tracer
 from services.common.runner import Service
 from services.worker.host_cache import HostBlockCache
@@ -73,13 +73,12 @@ class WorkerService(Service):
     name = "worker"
 
     def __init__(self, config: WorkerConfig, nats_url: str | None = None):
+        super().__init__(nats_url)
         self.config = config
-        self.broker = make_broker(nats_url)
         self.cache = HostBlockCache(config.host_capacity_bytes)
         self.instances: dict[str, _Instance] = {}
         self.requests: dict[str, _Request] = {}
         self.runtime: EngineRuntime | None = None
-        self._tasks: list[asyncio.Task] = []
         self._registered = False
         self._loading: set[str] = set()
         self._tokens_since = 0
@@ -104,7 +103,7 @@ class WorkerService(Service):
             torch.set_num_threads(self.config.torch_threads)
         self.runtime = EngineRuntime(asyncio.get_running_loop(), self._on_outputs)
         self.runtime.start()
-        await start_broker(self.broker)
+        await super().start()
         # The registry may start after us: retry until it answers.
         while True:
             try:
@@ -119,11 +118,9 @@ class WorkerService(Service):
         self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
         for inst in list(self.instances.values()):
             await self._stop_instance(inst, reason="worker shutting down")
-        await self.broker.stop()
+        await super().stop()
         if self.runtime:
             await asyncio.to_thread(self.runtime.stop)
 
