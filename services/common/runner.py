@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Callable, Coroutine
 
 from libs.protocol.bus import make_broker, start_broker
@@ -66,3 +67,21 @@ def run(service_factory: Callable[[], Service], health_host: str, health_port: i
     setup_logging(service.name)
     setup_tracing(service.name)
     asyncio.run(serve(service, health_host, health_port))
+
+
+class EndedInstances:
+    """Instances known to have stopped or failed, remembered for a while so a
+    registry snapshot taken just before the event cannot bring them back."""
+
+    def __init__(self, ttl_s: float = 120.0):
+        self.ttl_s = ttl_s
+        self._ended: dict[str, float] = {}
+
+    def mark(self, instance_id: str) -> None:
+        now = time.monotonic()
+        self._ended = {i: t for i, t in self._ended.items() if now - t < self.ttl_s}
+        self._ended[instance_id] = now
+
+    def __contains__(self, instance_id: str) -> bool:
+        t = self._ended.get(instance_id)
+        return t is not None and time.monotonic() - t < self.ttl_s

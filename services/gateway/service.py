@@ -17,7 +17,7 @@ from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import RemoteError, call, on_event, publish
 from libs.telemetry import tracer
-from services.common.runner import Service
+from services.common.runner import EndedInstances, Service
 from services.gateway.errors import APIError
 from services.gateway.routing import ModelRoutes, Route
 from services.gateway.text import IncrementalDetokenizer, StopMatcher
@@ -144,6 +144,7 @@ class GatewayService(Service):
         self.models: dict[str, ModelEntry] = {}
         self.streams: dict[str, Generation] = {}
         self._synced = False
+        self.ended = EndedInstances()
         self._demand = asyncio.Event()
         self._subscribe()
 
@@ -177,12 +178,14 @@ class GatewayService(Service):
             entry.routes.fail_all(f"model {name!r} was deleted")
 
     def _apply_instance(self, inst: m.InstanceInfo) -> None:
+        if inst.state not in (m.InstanceState.loading, m.InstanceState.ready):
+            self.ended.mark(inst.instance_id)
         entry = self.models.get(inst.model)
         if entry is None:
             return
-        if inst.state == m.InstanceState.ready:
+        if inst.state == m.InstanceState.ready and inst.instance_id not in self.ended:
             entry.routes.add(inst.instance_id, inst.entry_worker)
-        else:
+        elif inst.state != m.InstanceState.ready:
             self._drop_route(entry, inst.instance_id, f"instance {inst.state.value}")
 
     def _drop_route(self, entry: ModelEntry, instance_id: str, why: str) -> None:

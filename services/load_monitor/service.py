@@ -14,7 +14,7 @@ from libs.planning.policies import ConcurrencyPolicy, MetricsSample, concurrency
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import call, on_event, publish
-from services.common.runner import Service
+from services.common.runner import EndedInstances, Service
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class LoadMonitorService(Service):
         self.target_concurrency = target_concurrency
         self.models: dict[str, ModelWindow] = {}
         self.live: dict[str, tuple[str, m.InstanceState]] = {}  # instance_id -> (model, state)
+        self.ended = EndedInstances()
         # Latest report of each gateway, per model: several gateways add up.
         self._gateways: dict[str, dict[str, m.ModelLoad]] = {}
         self._synced = False
@@ -66,7 +67,7 @@ class LoadMonitorService(Service):
             if name not in names:
                 del self.models[name]
         self.live = {i.instance_id: (i.model, i.state) for i in view.instances if i.state in
-                     (m.InstanceState.loading, m.InstanceState.ready)}
+                     (m.InstanceState.loading, m.InstanceState.ready) and i.instance_id not in self.ended}
         self._synced = True
 
     async def _sync_loop(self) -> None:
@@ -138,8 +139,10 @@ class LoadMonitorService(Service):
         async def instance(ev: m.InstanceEvent) -> None:
             i = ev.instance
             if i.state in (m.InstanceState.loading, m.InstanceState.ready):
-                self.live[i.instance_id] = (i.model, i.state)
+                if i.instance_id not in self.ended:
+                    self.live[i.instance_id] = (i.model, i.state)
             else:
+                self.ended.mark(i.instance_id)
                 self.live.pop(i.instance_id, None)
 
         @b.subscriber(subjects.EVENT_MODEL)
