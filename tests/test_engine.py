@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from conftest_models import N_BLOCKS, arch, block_dir, hf_dir, load_all, reference_model  # noqa: F401  (fixtures)
@@ -313,3 +316,72 @@ def test_from_checkpoint_index(block_dir, engine):
     assert isinstance(engine.index, CheckpointIndex)
     assert engine.model.has_embedding and engine.model.has_head
     assert engine.free_slots == engine.max_batch_size
+
+
+# -- serving while the blocks are still arriving ------------------------------------------------------
+
+
+class _Arriving:
+    """A BlockSource whose blocks arrive when the test releases them (a LoadJob's contract)."""
+
+    def __init__(self, blocks, fail_at=None):
+        self.blocks, self.fail_at = blocks, fail_at
+        self.released = {b: threading.Event() for b in blocks}
+        self.waited: list[int] = []
+
+    def wait(self, block_id, timeout=None):
+        self.waited.append(block_id)
+        if not self.released[block_id].wait(10):
+            raise TimeoutError(f"block {block_id} never arrived")
+        if block_id == self.fail_at:
+            raise ValueError(f"block {block_id}: checksum mismatch")
+        return self.blocks[block_id]
+
+
+def test_a_range_over_arriving_blocks_runs_early_layers_first_and_matches_hf(loaded, ref):
+    index, blocks = loaded
+    source = _Arriving(blocks)
+    model = LayerRange(index, source, device="cpu")  # built before any block is there
+    assert not model.complete and source.waited == []
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(out=run_stages([model], PROMPT, DECODE)))
+    runner.start()
+    for b in range(N_BLOCKS):  # release one block at a time: the forward pass asks for them in order
+        deadline = time.monotonic() + 10
+        while b not in source.waited and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert source.waited == list(range(b + 1))
+        source.released[b].set()
+    runner.join(10)
+    assert model.complete and source.waited == list(range(N_BLOCKS))
+    for w, g in zip(hf_logits(ref, PROMPT, DECODE), result["out"]):
+        assert torch.equal(g, w)  # bitwise, as with every block present up front
+
+
+def test_engine_over_a_live_load_job_matches_the_engine_over_loaded_blocks(block_dir, engine):
+    from libs.checkpoint.fastload import BlockLoader, LoaderConfig
+
+    index = CheckpointIndex.load(block_dir)
+    job = BlockLoader("cpu", LoaderConfig(chunk_bytes=4096, threads=2)).start(block_dir, index)
+    live = Engine(index, job, device="cpu", max_batch_size=4, max_seq_len=256)
+    for e in (live, engine):
+        e.add_request("same", PROMPT, SamplingParams(temperature=0, max_tokens=8))
+    assert [o.token_id for o in drain(live)["same"]] == [o.token_id for o in drain(engine)["same"]]
+    assert live.model.complete
+
+
+def test_a_block_that_fails_to_arrive_fails_the_forward_pass_not_silently(loaded):
+    index, blocks = loaded
+    source = _Arriving(blocks, fail_at=1)
+    for ev in source.released.values():
+        ev.set()
+    model = LayerRange(index, source, device="cpu")
+    with pytest.raises(ValueError, match="checksum"):
+        model(torch.tensor([PROMPT]), model.new_cache())
+    assert not model.complete
+
+
+def test_arriving_blocks_need_an_explicit_device(loaded):
+    index, blocks = loaded
+    with pytest.raises(ValueError, match="device"):
+        LayerRange(index, _Arriving(blocks))

@@ -195,15 +195,24 @@ def test_every_bad_request_gets_an_openai_error(cluster):
     assert c.post("/v1/completions", json=ok).status_code == 200
 
 
-def test_corrupt_block_is_never_served_and_a_full_queue_says_retry_later(cluster, tiny_checkpoint, tmp_path):
-    broken = tmp_path / "broken"
-    shutil.copytree(tiny_checkpoint, broken)
-    index = CheckpointIndex.load(broken)
-    with open(broken / index.data_file, "r+b") as f:
-        f.seek(index.blocks[1].offset + 10)
+def corrupt_copy(checkpoint: Path, dest: Path, block: int) -> Path:
+    shutil.copytree(checkpoint, dest)
+    index = CheckpointIndex.load(dest)
+    with open(dest / index.data_file, "r+b") as f:
+        f.seek(index.blocks[block].offset + 10)
         byte = f.read(1)
-        f.seek(index.blocks[1].offset + 10)
+        f.seek(index.blocks[block].offset + 10)
         f.write(bytes([byte[0] ^ 0xFF]))
+    return dest
+
+
+def worker_logs(cluster) -> str:
+    return "".join(Path(p.log).read_text(errors="replace") for p in cluster.processes if p.name.startswith("worker"))
+
+
+def test_corrupt_block_is_never_served_and_a_full_queue_says_retry_later(cluster, tiny_checkpoint, tmp_path):
+    # Block 0 corrupt: the instance never becomes ready, so requests queue, then time out.
+    broken = corrupt_copy(tiny_checkpoint, tmp_path / "broken", block=0)
     r = admin(cluster).post("/admin/v1/models", json={"name": "broken", "path": str(broken), "max_queue": 1})
     assert r.status_code == 201, r.text
     results: dict[str, httpx.Response] = {}
@@ -221,9 +230,27 @@ def test_corrupt_block_is_never_served_and_a_full_queue_says_retry_later(cluster
     assert_openai_error(results["first"], 503)
     assert int(results["first"].headers["Retry-After"]) >= 1
     assert instances(cluster, "broken") == []
-    logs = "".join(Path(p.log).read_text(errors="replace") for p in cluster.processes if p.name.startswith("worker"))
-    assert "checksum mismatch" in logs.lower() and "block 1" in logs
+    assert "checksum mismatch" in worker_logs(cluster).lower() and "block 0" in worker_logs(cluster)
     assert admin(cluster).delete("/admin/v1/models/broken").status_code == 200
+
+
+def test_a_corrupt_later_block_fails_the_instance_that_started_serving_early(cluster, tiny_checkpoint, tmp_path):
+    # Block 1 corrupt: the instance is announced after block 0 (serving while loading), the request
+    # that reaches it waits for block 1 inside the engine, and the checksum failure ends both, with
+    # a clear error; no token computed from a half-loaded model is ever returned.
+    broken = corrupt_copy(tiny_checkpoint, tmp_path / "late", block=1)
+    r = admin(cluster).post("/admin/v1/models", json={"name": "late", "path": str(broken)})
+    assert r.status_code == 201, r.text
+    resp = api(cluster).post("/v1/completions", json={"model": "late", "prompt": "x", "max_tokens": 2})
+    err = assert_openai_error(resp, 503)
+    assert int(resp.headers["Retry-After"]) >= 1
+    # It reached the early instance (the engine's checksum error, or the instance's failure event
+    # dropping its route), or found no capacity left while the planner retried.
+    assert err["code"] == "generation_failed" or err["message"].startswith("no capacity"), err
+    wait_for(lambda: "block 1" in worker_logs(cluster) and "checksum mismatch" in worker_logs(cluster).lower(),
+             10, "the worker to log the checksum failure")
+    assert instances(cluster, "late") == []
+    assert admin(cluster).delete("/admin/v1/models/late").status_code == 200
 
 
 def test_keep_alive_scale_down_then_warm_start_on_the_worker_holding_host_copies(cluster, tiny_checkpoint):
@@ -234,6 +261,11 @@ def test_keep_alive_scale_down_then_warm_start_on_the_worker_holding_host_copies
     assert c.post("/v1/completions", json={"model": "brief", "prompt": "x", "max_tokens": 2}).status_code == 200
     (inst,) = instances(cluster, "brief")
     worker = inst["stages"][0]["worker_id"]
+
+    def measured_disk_gbps():  # the worker measured its disk load and reported it (estimator input)
+        view = admin(cluster).get("/admin/v1/cluster").json()
+        return next(w for w in view["workers"] if w["worker_id"] == worker)["bandwidths_gbps"].get("ssd_to_host")
+    assert wait_for(measured_disk_gbps, 10, "the disk bandwidth in the registry") > 0
     wait_for(lambda: not instances(cluster, "brief", state=None), 15, "scale to zero after keep-alive")
     assert [m["id"] for m in c.get("/v1/models").json()["data"]].count("brief") == 1  # still listed at zero
     replicas = admin(cluster).get("/admin/v1/models/brief").json()["replicas"]

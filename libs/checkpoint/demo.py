@@ -41,6 +41,9 @@ PRESETS: dict[str, dict] = {
                   intermediate_size=688, vocab_size=2048, dtype="float32"),
     "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                  intermediate_size=2304, vocab_size=8192, dtype="bfloat16"),
+    # ~440 MB in bf16: big enough for load benchmarks to measure the disk, not Python.
+    "200m": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                 intermediate_size=2816, vocab_size=16384, dtype="bfloat16"),
 }
 
 # Small built-in English corpus for training the tokenizer (no downloads).

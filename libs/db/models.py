@@ -27,6 +27,7 @@ class Worker(Base):
     scaleup_group: Mapped[str] = mapped_column(String(128), default="")
     link_gbps: Mapped[float] = mapped_column(Float)
     capacities: Mapped[dict] = mapped_column(Json)  # tier -> bytes
+    bandwidths_gbps: Mapped[dict] = mapped_column(Json, default=dict, server_default="{}")  # link -> GB/s
     state: Mapped[str] = mapped_column(String(16), index=True)  # alive | dead
     registered_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     last_heartbeat: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -29,6 +29,7 @@ def _worker_info(w: Worker) -> m.WorkerInfo:
         data_address=w.data_address,
         topology=m.Topology(host=w.host, leaf=w.leaf, scaleup_group=w.scaleup_group, link_gbps=w.link_gbps),
         capacities=w.capacities,
+        bandwidths_gbps=w.bandwidths_gbps or {},
         state=w.state,
         last_heartbeat=to_ts(w.last_heartbeat),
     )
@@ -99,6 +100,7 @@ class RegistryStore:
             w.host, w.leaf = reg.topology.host, reg.topology.leaf
             w.scaleup_group, w.link_gbps = reg.topology.scaleup_group, reg.topology.link_gbps
             w.capacities = {str(k): v for k, v in reg.capacities.items()}
+            w.bandwidths_gbps = dict(reg.bandwidths_gbps)
             w.state = "alive"
             w.last_heartbeat = now_dt
             await s.flush()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import operator
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 from libs.checkpoint import CheckpointIndex, load_block
 
-from .model import LayerRange
+from .model import BlockSource, LayerRange
 from .sampling import SamplingParams, make_generator, sample_token
 
 FinishReason = Literal["stop", "length"]
@@ -60,7 +60,7 @@ class Engine:
     def __init__(
         self,
         index: CheckpointIndex,
-        blocks: dict[int, torch.Tensor],
+        blocks: Mapping[int, torch.Tensor] | BlockSource,
         device: str | torch.device = "cpu",
         max_batch_size: int = 8,
         max_seq_len: int | None = None,

@@ -9,6 +9,9 @@ range includes the first / last block) are kept.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Protocol
+
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -17,6 +20,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from libs.checkpoint import CheckpointIndex, block_tensors
+from libs.checkpoint.format import torch_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -36,6 +40,12 @@ def hf_config(index: CheckpointIndex, attn_implementation: str = "sdpa"):
     return config
 
 
+class BlockSource(Protocol):
+    """Blocks that are still arriving (a loader's LoadJob): `wait` blocks until one is verified."""
+
+    def wait(self, block_id: int, timeout: float | None = None) -> torch.Tensor: ...
+
+
 class LayerRange(nn.Module):
     """Blocks [block_start, block_end) as one pipeline stage.
 
@@ -43,12 +53,17 @@ class LayerRange(nn.Module):
     else hidden states [batch, seq, hidden]; the result is hidden states, or logits
     [batch, seq, vocab] if the range ends with the last block. The KV cache is per stage;
     it is indexed by global layer index, so each stage can keep its own.
+
+    `blocks` is either a mapping of block buffers or a BlockSource whose blocks are still
+    arriving: the modules are built at once, and each block's tensors are bound the first
+    time a forward pass needs them, so a first prefill runs the early layers while the
+    later blocks load.
     """
 
     def __init__(
         self,
         index: CheckpointIndex,
-        blocks: dict[int, torch.Tensor],
+        blocks: Mapping[int, torch.Tensor] | BlockSource,
         block_start: int = 0,
         block_end: int | None = None,
         device: str | torch.device | None = None,
@@ -58,9 +73,11 @@ class LayerRange(nn.Module):
         block_end = index.n_blocks if block_end is None else block_end
         if not 0 <= block_start < block_end <= index.n_blocks:
             raise ValueError(f"invalid block range [{block_start}, {block_end}) for {index.n_blocks} blocks")
-        missing = [b for b in range(block_start, block_end) if b not in blocks]
-        if missing:
-            raise ValueError(f"blocks {missing} are needed for range [{block_start}, {block_end}) but were not given")
+        if isinstance(blocks, Mapping):
+            missing = [b for b in range(block_start, block_end) if b not in blocks]
+            if missing:
+                raise ValueError(
+                    f"blocks {missing} are needed for range [{block_start}, {block_end}) but were not given")
 
         self.index = index
         self.block_start, self.block_end = block_start, block_end
@@ -69,20 +86,18 @@ class LayerRange(nn.Module):
         self.has_embedding = index.blocks[block_start].has_embedding
         self.has_head = index.blocks[block_end - 1].has_head
 
-        # Buffers live on the execution device; moving one is the only copy made here.
         if device is None:
+            if not isinstance(blocks, Mapping):
+                raise ValueError("device is required when the blocks are still arriving")
             device = blocks[block_start].device
         self.device = torch.device(device)
-        self.block_buffers = {b: blocks[b].to(self.device) for b in range(block_start, block_end)}
+        self.block_buffers: dict[int, torch.Tensor] = {}
 
         config = hf_config(index, attn_implementation)
         # Skeleton on the meta device: shapes and module code only, no memory.
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
         self.config = skeleton.config
-        for b, buf in self.block_buffers.items():
-            for name, view in block_tensors(index, b, buf).items():
-                _assign(skeleton, name, view)
 
         inner = skeleton.model
         self.embed_tokens = inner.embed_tokens if self.has_embedding else None
@@ -92,12 +107,21 @@ class LayerRange(nn.Module):
         # Non-persistent buffers (rotary inv_freq) are not in the checkpoint: compute them on the
         # CPU and move them, as from_pretrained does, so the frequencies match it bit for bit.
         self.rotary_emb = type(inner.rotary_emb)(config=self.config).to(self.device)
-        del skeleton, inner  # drops the meta layers of other stages
-
-        for name, t in [*self.named_parameters(), *self.named_buffers()]:
-            if t.device.type == "meta":
-                raise ValueError(f"{name} of layers [{self.layer_start}, {self.layer_end}) is not in the blocks")
-        self.dtype = next(self.layers[0].parameters()).dtype
+        # The skeleton keeps the modules of other stages (meta: no memory) until every block of
+        # this range is bound; a tuple, so that nn.Module does not register it as a submodule.
+        self._skeleton = (skeleton,)
+        del inner
+        in_range = [t for b in range(block_start, block_end) for t in index.tensors_in_block(b)]
+        self.dtype = torch_dtype(next((t.dtype for t in in_range if ".layers." in t.name), in_range[0].dtype))
+        # Which block holds each layer of the range (index relative to layer_start).
+        self._layer_block = [index.block_of_layer(i) for i in range(self.layer_start, self.layer_end)]
+        self._unbound = set(range(block_start, block_end))
+        self._source: BlockSource | None = None
+        if isinstance(blocks, Mapping):
+            for b in range(block_start, block_end):
+                self._bind(b, blocks[b])
+        else:
+            self._source = blocks
         self.eval()
 
         layer_types, _ = get_layer_types_and_kwargs(self.config)
@@ -110,6 +134,30 @@ class LayerRange(nn.Module):
         self._mask_layer = {}
         for i, lt in enumerate(self.layer_types):
             self._mask_layer.setdefault(lt, self.layer_start + i)
+
+    def _bind(self, block_id: int, buffer: torch.Tensor) -> None:
+        # Buffers live on the execution device; moving one is the only copy made here.
+        buffer = buffer.to(self.device)
+        self.block_buffers[block_id] = buffer
+        for name, view in block_tensors(self.index, block_id, buffer).items():
+            _assign(self._skeleton[0], name, view)
+        self._unbound.discard(block_id)
+        if not self._unbound:
+            for name, t in [*self.named_parameters(), *self.named_buffers()]:
+                if t.device.type == "meta":
+                    raise ValueError(f"{name} of layers [{self.layer_start}, {self.layer_end}) is not in the blocks")
+            self._skeleton = ()
+            self._source = None
+
+    def _need(self, block_id: int) -> None:
+        """Bind `block_id` if it is not yet: waits for it when it is still arriving."""
+        if block_id in self._unbound:
+            self._bind(block_id, self._source.wait(block_id))
+
+    @property
+    def complete(self) -> bool:
+        """Every block of the range is bound (nothing left to wait for)."""
+        return not self._unbound
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
@@ -128,6 +176,9 @@ class LayerRange(nn.Module):
         logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Run the range; `logits_to_keep=k > 0` computes the head for the last k positions only."""
+        loading = bool(self._unbound)
+        if loading:
+            self._need(self.block_start)
         if self.has_embedding:
             if inputs.dtype not in (torch.int32, torch.int64):
                 raise TypeError("a range that starts at block 0 takes token ids")
@@ -150,7 +201,9 @@ class LayerRange(nn.Module):
             for lt, layer_idx in self._mask_layer.items()
         }
         position_embeddings = self.rotary_emb(hidden, position_ids)
-        for layer, lt in zip(self.layers, self.layer_types):
+        for i, (layer, lt) in enumerate(zip(self.layers, self.layer_types)):
+            if loading:
+                self._need(self._layer_block[i])
             # transformers 5.x decoder layers return the hidden states tensor (not a tuple).
             hidden = layer(
                 hidden,
@@ -162,6 +215,8 @@ class LayerRange(nn.Module):
             )
         if not self.has_head:
             return hidden
+        if loading:
+            self._need(self.block_end - 1)
         hidden = self.norm(hidden)
         if logits_to_keep > 0:
             hidden = hidden[:, -logits_to_keep:, :]

@@ -60,6 +60,9 @@ class ErrorReply(Message):
 # --- workers --------------------------------------------------------------------------
 
 
+BandwidthLink = Literal["ssd_to_host", "host_to_device", "network_to_host"]
+
+
 class Topology(BaseModel):
     host: str
     leaf: str = "leaf-0"
@@ -73,6 +76,9 @@ class RegisterWorker(Message):
     topology: Topology
     # tier name -> capacity in bytes
     capacities: dict[Tier, int]
+    # Measured load bandwidth per link, GB/s (ServerlessLLM §6.2 estimator input); names follow
+    # libs.planning.estimate.Bandwidths. A link not measured yet is absent.
+    bandwidths_gbps: dict[BandwidthLink, float] = {}
 
 
 class WorkerInfo(Message):
@@ -80,6 +86,7 @@ class WorkerInfo(Message):
     data_address: str
     topology: Topology
     capacities: dict[Tier, int]
+    bandwidths_gbps: dict[BandwidthLink, float] = {}
     state: Literal["alive", "dead"]
     last_heartbeat: float
 

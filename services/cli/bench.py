@@ -4,6 +4,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import typer
 
@@ -138,3 +139,44 @@ def plan(
     console.print(table)
     console.print(f"zigzag ILP 7x7: {ilp_ms:.3f} ms; all 64-worker plans under {bound_ms} ms: "
                   f"{result['all_64_under_bound']}")
+
+
+@bench_app.command("load")
+def load(
+    path: Path = typer.Argument(None, help="A block checkpoint (default: the 200m demo, created once)."),
+    hf: Path = typer.Option(None, "--hf", help="Its source Hugging Face folder (default: PATH/../hf)."),
+    repeat: int = typer.Option(3, "--repeat", help="Trials per method; the best is reported."),
+    chunk_mib: int = typer.Option(0, "--chunk-mib", help="Loader chunk size (0: the default)."),
+    threads: int = typer.Option(0, "--threads", help="Loader reader threads (0: the default)."),
+    device: str = typer.Option("auto", "--device", help="Target device of the loader (auto: cuda if present)."),
+    do_sweep: bool = typer.Option(False, "--sweep", help="Also sweep chunk size x threads for the cold load."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    state_dir: Path = typer.Option(Path(".layercast"), "--state-dir"),
+) -> None:
+    """Cold/warm/host-tier load bandwidth and time to first logits against the raw disk and the usual loaders."""
+    import torch
+
+    from libs.checkpoint import is_block_checkpoint
+    from libs.checkpoint.fastload import DEFAULT_CHUNK_BYTES, DEFAULT_THREADS
+    from services.cli.bench_load import demo_paths, run_load_benchmark, sweep
+
+    if path is None:
+        path, default_hf = demo_paths(state_dir)
+        hf = hf or default_hf
+    if not is_block_checkpoint(path):
+        raise typer.BadParameter(f"{path} is not a block checkpoint (convert it with `layercast model convert`)")
+    hf = hf or path.parent / "hf"
+    if not (hf / "config.json").is_file():
+        raise typer.BadParameter(f"{hf} is not a Hugging Face folder; pass the source folder with --hf")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = run_load_benchmark(path, hf, repeat, (chunk_mib << 20) or DEFAULT_CHUNK_BYTES,
+                                threads or DEFAULT_THREADS, device)
+    if do_sweep:
+        result["sweep_cold_gbps"] = sweep(path, repeat)
+    if json_out:
+        typer.echo(json.dumps(result))
+        return
+    from rich.console import Console
+
+    Console().print_json(json.dumps(result))

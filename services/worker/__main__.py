@@ -21,6 +21,12 @@ def main() -> None:
     p.add_argument("--host-capacity-gb", type=float, default=float(env("LAYERCAST_HOST_CAPACITY_GB", "8")))
     p.add_argument("--engine-capacity-gb", type=float, default=float(env("LAYERCAST_ENGINE_CAPACITY_GB", "8")))
     p.add_argument("--heartbeat-interval", type=float, default=float(env("LAYERCAST_HEARTBEAT_INTERVAL", "1")))
+    p.add_argument("--device", default=env("LAYERCAST_DEVICE", "cpu"), help="cpu or cuda[:n]")
+    p.add_argument("--load-chunk-mib", type=int, default=int(env("LAYERCAST_LOAD_CHUNK_MIB", "16")))
+    p.add_argument("--load-threads", type=int, default=int(env("LAYERCAST_LOAD_THREADS", "4")))
+    p.add_argument("--serve-while-loading", action=argparse.BooleanOptionalAction,
+                   default=env("LAYERCAST_SERVE_WHILE_LOADING", "1") not in ("0", "false", "no"),
+                   help="announce an instance after its first block and run blocks as they arrive")
     p.add_argument("--torch-threads", type=int, default=int(env("LAYERCAST_TORCH_THREADS", "0")))
     p.add_argument("--health-host", default=env("LAYERCAST_HEALTH_HOST", "127.0.0.1"))
     p.add_argument("--health-port", type=int, default=int(env("LAYERCAST_HEALTH_PORT", "0")))
@@ -31,6 +37,7 @@ def main() -> None:
         host_capacity_bytes=int(a.host_capacity_gb * (1 << 30)),
         engine_capacity_bytes=int(a.engine_capacity_gb * (1 << 30)),
         heartbeat_interval_s=a.heartbeat_interval, torch_threads=a.torch_threads,
+        device=a.device, serve_while_loading=a.serve_while_loading, load_chunk_bytes=a.load_chunk_mib << 20, load_threads=a.load_threads,
     )
     run(lambda: WorkerService(config), a.health_host, a.health_port)
 

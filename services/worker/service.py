@@ -17,7 +17,15 @@ import torch
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge
 
-from libs.checkpoint import CheckpointIndex, load_block
+from libs.checkpoint import CheckpointIndex
+from libs.checkpoint.fastload import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_THREADS,
+    BlockLoader,
+    LoaderConfig,
+    LoadJob,
+    copy_to_device,
+)
 from libs.engine import Engine, SamplingParams, TokenOutput
 from libs.protocol import messages as m
 from libs.protocol import subjects
@@ -32,6 +40,8 @@ _tracer = tracer("worker")
 
 TOKENS = Counter("layercast_worker_generated_tokens_total", "Tokens generated", ["model"])
 BLOCK_BYTES = Counter("layercast_worker_block_load_bytes_total", "Bytes of blocks made ready", ["tier"])
+LOAD_GBPS = Gauge("layercast_worker_load_bandwidth_gbps", "Measured load bandwidth (moving average)", ["link"])
+BANDWIDTH_EWMA_ALPHA = 0.3  # weight of the newest load in the per-link moving average
 RUNNING = Gauge("layercast_worker_running_requests", "Requests running on this worker")
 
 
@@ -50,6 +60,27 @@ class WorkerConfig:
     torch_threads: int = 0  # 0: torch's default
     max_batch_size: int = 16
     max_seq_len: int = 2048
+    device: str = "cpu"  # where engines run: "cpu" or "cuda[:n]"
+    load_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    load_threads: int = DEFAULT_THREADS
+    # A full-model instance is announced ready once its first block is verified; requests then
+    # run each block as it arrives. Off: ready only when every block is there.
+    serve_while_loading: bool = True
+
+
+@dataclass
+class _ArrivingBlocks:
+    """The engine's BlockSource during a load: blocks already on the device, the rest from the loader."""
+
+    ready: dict[int, torch.Tensor]
+    job: LoadJob | None
+
+    def wait(self, block_id: int, timeout: float | None = None) -> torch.Tensor:
+        if block_id in self.ready:
+            return self.ready[block_id]
+        if self.job is None:
+            raise KeyError(f"block {block_id} is neither cached nor loading")
+        return self.job.wait(block_id, timeout)
 
 
 @dataclass
@@ -76,6 +107,9 @@ class WorkerService(Service):
         super().__init__(nats_url)
         self.config = config
         self.cache = HostBlockCache(config.host_capacity_bytes)
+        self.loader = BlockLoader(config.device, LoaderConfig(chunk_bytes=config.load_chunk_bytes,
+                                                              threads=config.load_threads))
+        self.bandwidths_gbps: dict[str, float] = {}
         self.instances: dict[str, _Instance] = {}
         self.requests: dict[str, _Request] = {}
         self.runtime: EngineRuntime | None = None
@@ -96,7 +130,18 @@ class WorkerService(Service):
             data_address=f"{c.data_host}:{c.data_port}",
             topology=m.Topology(host=c.host, leaf=c.leaf, scaleup_group=c.scaleup_group, link_gbps=c.link_gbps),
             capacities={m.Tier.gpu: c.engine_capacity_bytes, m.Tier.host: c.host_capacity_bytes, m.Tier.ssd: disk},
+            bandwidths_gbps=dict(self.bandwidths_gbps),
         )
+
+    def _observe_bandwidth(self, link: str, nbytes: int, seconds: float) -> None:
+        """Fold one measured transfer into the link's moving average (reported with heartbeats)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        measured = nbytes / seconds / 1e9
+        old = self.bandwidths_gbps.get(link)
+        new = measured if old is None else (1 - BANDWIDTH_EWMA_ALPHA) * old + BANDWIDTH_EWMA_ALPHA * measured
+        self.bandwidths_gbps[link] = new
+        LOAD_GBPS.labels(link).set(new)
 
     async def start(self) -> None:
         if self.config.torch_threads:
@@ -154,54 +199,112 @@ class WorkerService(Service):
             await self._block_event(model, block_id, m.Tier.host, m.ReplicaState.evicted)
 
     async def _load(self, cmd: m.LoadModel, info: m.InstanceInfo) -> None:
+        """Load blocks nearest tier first; a full-model instance starts serving after its first block.
+
+        The engine is built over the arriving blocks (they are bound as its forward pass reaches
+        them), so a first request overlaps its prefill with the rest of the load. A block that
+        fails its checksum fails the instance: no request ever runs on unverified bytes.
+        """
+        iid = cmd.instance_id
         with _tracer.start_as_current_span("worker.load", attributes={
             "layercast.model": cmd.model, "layercast.worker": self.config.worker_id,
             "layercast.blocks": f"[{cmd.block_start},{cmd.block_end})"}) as span:
+            job = None
+            wanted = list(range(cmd.block_start, cmd.block_end))
+            pinned: list[tuple[str, int]] = []  # this load's pins; the instance releases them when it stops
+            on_gpu: list[int] = []
+            attached = False
             try:
                 index = await asyncio.to_thread(CheckpointIndex.load, cmd.path)
-                buffers: dict[int, torch.Tensor] = {}
-                keys = []
-                for block_id in range(cmd.block_start, cmd.block_end):
-                    key = (cmd.model, block_id)
-                    buf = self.cache.get(key)
-                    tier = m.Tier.host
+                for b in wanted:
+                    index.block(b)
+                full = (cmd.block_start, cmd.block_end) == (0, index.n_blocks)
+                # Nearest tier first: blocks in the host cache are pinned at once (they cannot be
+                # evicted while the rest load); the others stream from disk through the loader.
+                cached: dict[int, torch.Tensor] = {}
+                for b in wanted:
+                    buf = self.cache.get((cmd.model, b))
+                    if buf is not None:
+                        self.cache.pin((cmd.model, b))
+                        pinned.append((cmd.model, b))
+                        cached[b] = buf
+                ready = {b: await asyncio.to_thread(self._host_to_device, b, buf) for b, buf in cached.items()}
+                missing = [b for b in wanted if b not in cached]
+                if missing:
+                    job = await asyncio.to_thread(self.loader.start, cmd.path, index, missing)
+                engine = None
+                if full:
+                    engine = await asyncio.to_thread(
+                        Engine, index, _ArrivingBlocks(ready, job), device=self.config.device,
+                        max_batch_size=self.config.max_batch_size, max_seq_len=self.config.max_seq_len)
+                for b in wanted:
                     t0 = time.perf_counter()
-                    if buf is None:
+                    if b in cached:
+                        tier, host_buf, device_buf = m.Tier.host, cached[b], ready[b]
+                    else:
+                        # Blocks are announced in order, each only once its checksum is verified.
                         tier = m.Tier.ssd
-                        buf = await asyncio.to_thread(load_block, cmd.path, index, block_id)
+                        device_buf = await asyncio.to_thread(job.wait, b)
+                        host_buf = job.host[b][: device_buf.numel()] if job.host else device_buf
+                        self.cache.pin((cmd.model, b))
+                        pinned.append((cmd.model, b))
+                        await self._report_evicted(self.cache.put((cmd.model, b), host_buf))
+                    if attached and iid not in self.instances:
+                        raise RuntimeError("instance stopped while loading")
                     seconds = time.perf_counter() - t0
-                    self.cache.pin(key)
-                    await self._report_evicted(self.cache.put(key, buf))
-                    buffers[block_id] = buf
-                    keys.append(key)
-                    BLOCK_BYTES.labels(tier.value).inc(buf.numel())
-                    span.add_event("block", {"block": block_id, "from_tier": tier.value, "bytes": buf.numel()})
-                    await self._block_event(cmd.model, block_id, m.Tier.gpu, m.ReplicaState.ready,
-                                            buf.numel(), seconds, cmd.scale_op_id)
-                    await self._block_event(cmd.model, block_id, m.Tier.host, m.ReplicaState.ready, buf.numel())
-                if (cmd.block_start, cmd.block_end) != (0, len(index.blocks)):
+                    BLOCK_BYTES.labels(tier.value).inc(device_buf.numel())
+                    span.add_event("block", {"block": b, "from_tier": tier.value, "bytes": device_buf.numel()})
+                    on_gpu.append(b)
+                    await self._block_event(cmd.model, b, m.Tier.gpu, m.ReplicaState.ready,
+                                            device_buf.numel(), seconds, cmd.scale_op_id)
+                    await self._block_event(cmd.model, b, m.Tier.host, m.ReplicaState.ready, host_buf.numel())
+                    if engine is not None and not attached and self.config.serve_while_loading:
+                        await self._attach(engine, info, cmd, pinned, "first block ready, rest loading")
+                        attached = True
+                if job is not None:
+                    self._observe_bandwidth("ssd_to_host", job.stats.bytes, job.stats.finished_s or 0.0)
+                    span.set_attribute("layercast.disk_gbps", round(job.stats.gbps, 3))
+                    span.set_attribute("layercast.o_direct", job.stats.direct)
+                if not full:
                     # A partial range holds its blocks for a pipeline; pipeline serving
                     # (activations between stages) is the engine issue's work.
                     raise DomainError("only full-model local instances can serve in this version")
-                engine = await asyncio.to_thread(
-                    Engine, index, buffers, device="cpu", max_batch_size=self.config.max_batch_size,
-                    max_seq_len=self.config.max_seq_len)
+                if not attached:
+                    await self._attach(engine, info, cmd, pinned, "loaded")
             except Exception as e:
                 log.exception("loading %s failed", cmd.model)
                 span.record_exception(e)
-                for key in (k for k in [(cmd.model, b) for b in range(cmd.block_start, cmd.block_end)]
-                            if self.cache.pinned(k)):
-                    await self._report_evicted(self.cache.unpin(key))
+                if job is not None:
+                    await asyncio.to_thread(job.cancel)
+                if attached and self.instances.pop(iid, None) is not None:
+                    await self.runtime.detach(iid)  # its running requests end with an error
+                for b in on_gpu:
+                    await self._block_event(cmd.model, b, m.Tier.gpu, m.ReplicaState.evicted)
+                while pinned:
+                    await self._report_evicted(self.cache.unpin(pinned.pop()))
                 info = info.model_copy(update={"state": m.InstanceState.failed})
                 await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=str(e)))
                 return
             finally:
-                self._loading.discard(cmd.instance_id)
-            self.runtime.attach(cmd.instance_id, engine)
-            info = info.model_copy(update={"state": m.InstanceState.ready, "ready_at": time.time()})
-            self.instances[cmd.instance_id] = _Instance(info=info, path=cmd.path, keys=keys)
-            log.info("instance %s of %s ready", cmd.instance_id, cmd.model)
-            await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason="loaded"))
+                self._loading.discard(iid)
+
+    async def _attach(self, engine: Engine, info: m.InstanceInfo, cmd: m.LoadModel,
+                      pinned: list[tuple[str, int]], reason: str) -> None:
+        self.runtime.attach(cmd.instance_id, engine)
+        info = info.model_copy(update={"state": m.InstanceState.ready, "ready_at": time.time()})
+        # The instance shares this load's pin list: stopping it releases what has been pinned so far.
+        self.instances[cmd.instance_id] = _Instance(info=info, path=cmd.path, keys=pinned)
+        log.info("instance %s of %s ready (%s)", cmd.instance_id, cmd.model, reason)
+        await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=reason))
+
+    def _host_to_device(self, block_id: int, host_buf: torch.Tensor) -> torch.Tensor:
+        """A cached host block made engine-ready: zero-copy on the CPU, one measured copy to a GPU."""
+        if torch.device(self.config.device).type == "cpu":
+            return host_buf
+        t0 = time.perf_counter()
+        device_buf = copy_to_device({block_id: host_buf}, self.config.device, self.config.load_chunk_bytes)[block_id]
+        self._observe_bandwidth("host_to_device", host_buf.numel(), time.perf_counter() - t0)
+        return device_buf
 
     async def _stop_instance(self, inst: _Instance, reason: str, drain_timeout_s: float = 0.0) -> None:
         inst.draining = True
@@ -210,7 +313,8 @@ class WorkerService(Service):
             await asyncio.sleep(0.05)
         await self.runtime.detach(inst.info.instance_id)
         self.instances.pop(inst.info.instance_id, None)
-        for key in inst.keys:
+        while inst.keys:
+            key = inst.keys.pop()
             await self._block_event(key[0], key[1], m.Tier.gpu, m.ReplicaState.evicted)
             await self._report_evicted(self.cache.unpin(key))
         info = inst.info.model_copy(update={"state": m.InstanceState.stopped})

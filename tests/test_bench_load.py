@@ -1,0 +1,37 @@
+"""`layercast bench load --json` runs every method on a real checkpoint and reports one JSON object.
+
+A behaviour test, not a timing test: the fields are there, the bandwidths are positive, and the
+three "ready" paths computed the same first token (so the comparison is between equals)."""
+
+import json
+
+from typer.testing import CliRunner
+
+from services.cli.app import app
+
+FIELDS = {
+    "raw_gbps", "layercast_cold_gbps", "layercast_warm_gbps", "host_tier_gbps", "safetensors_cold_gbps",
+    "torch_load_cold_gbps", "first_block_ms", "layercast_ready_s", "from_pretrained_ready_s",
+    "safetensors_ready_s", "model_bytes", "chunk_bytes", "threads",
+}
+
+
+def test_bench_load_json(tiny_checkpoint):
+    result = CliRunner().invoke(app, ["bench", "load", str(tiny_checkpoint), "--repeat", "1", "--chunk-mib", "1",
+                                      "--threads", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert FIELDS <= set(report)
+    assert report["chunk_bytes"] == 1 << 20 and report["threads"] == 2
+    for name in FIELDS - {"model_bytes", "chunk_bytes", "threads"}:
+        assert report[name] > 0, name
+    assert report["same_first_token"] is True
+    assert set(report["ratios"]) >= {"layercast_cold_vs_raw", "from_pretrained_vs_layercast_ready"}
+    # No scratch files (the torch.save copy) are left next to the checkpoint.
+    assert not list(tiny_checkpoint.parent.glob(".bench-load-*"))
+
+
+def test_bench_load_rejects_a_folder_that_is_not_a_block_checkpoint(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "load", str(tmp_path), "--json"])
+    assert result.exit_code != 0
+    assert "not a block checkpoint" in result.output
