@@ -168,3 +168,27 @@ def test_migrations_match_the_models_on_both_databases(kind, database_url, tmp_p
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     engine.dispose()
     assert diff == []
+
+
+async def test_concurrent_timing_reports_on_one_scale_op_are_all_kept(database_url):
+    """The planner and the registry's event handlers add timings to one scale operation at
+    the same moment (a block event and the instance-ready event): none may be lost."""
+    from libs.db.engine import make_engine
+    from libs.db.store import RegistryStore
+
+    migrate(database_url)
+    engine = make_engine(database_url)
+    try:
+        store = RegistryStore(engine)
+        op = m.ScaleOpInfo(scale_op_id="op-race", model="demo", direction="up", reason="test", from_instances=0,
+                           to_instances=1, state="running", timings={"decided": 1.0})
+        await store.record_scale_op(op)
+        events = [f"block:w{i % 3}:{i}" for i in range(24)]
+        await asyncio.gather(
+            *(store.add_scale_op_timing("op-race", e, float(i)) for i, e in enumerate(events)),
+            store.record_scale_op(op.model_copy(update={"state": "done", "timings": {"done": 99.0}})),
+        )
+        (stored,) = [o for o in await store.recent_scale_ops(10) if o.scale_op_id == "op-race"]
+        assert set(stored.timings) == {"decided", "done", *events} and stored.state == "done"
+    finally:
+        await engine.dispose()

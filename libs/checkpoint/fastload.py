@@ -43,6 +43,7 @@ import torch
 
 from .crc import crc32_of_pieces
 from .format import CheckpointIndex, align_up
+from .hostmem import HostArena
 from .loader import ChecksumError
 
 IO_ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffers aligned to the logical block size
@@ -66,6 +67,12 @@ def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
     raw = torch.empty(capacity + IO_ALIGN, dtype=torch.uint8, pin_memory=pin)
     start = (-raw.data_ptr()) % IO_ALIGN
     return raw[start : start + capacity]
+
+
+def _host_buffer(arena: HostArena | None, nbytes: int, pin: bool) -> torch.Tensor:
+    """From the arena when it has room (no page faults in the reads), else freshly allocated."""
+    buf = arena.take(nbytes) if arena is not None else None
+    return buf if buf is not None else aligned_empty(nbytes, pin=pin)
 
 
 def drop_page_cache(path: str | os.PathLike) -> None:
@@ -172,6 +179,7 @@ class LoadStats:
     block_ready_s: dict[int, float] = field(default_factory=dict)  # seconds from start to announcement
     finished_s: float | None = None
     direct: bool = True  # False when any read went through the page cache (file cached, or no O_DIRECT)
+    outside_arena_bytes: int = 0  # host buffers freshly allocated because the arena was full
 
     @property
     def first_block_s(self) -> float | None:
@@ -195,6 +203,7 @@ class LoadJob:
         keep_host: bool,
         on_ready: ReadyCallback | None,
         pool: ChunkPool | None,
+        arena: HostArena | None = None,
     ):
         self.path = Path(ckpt_dir) / index.data_file
         self.index = index
@@ -214,7 +223,10 @@ class LoadJob:
         # Host block buffers: the read target unless a chunk pool stages the bytes.
         self.host: dict[int, torch.Tensor] = {}
         if self._pool is None:
-            self.host = {b: aligned_empty(index.block(b).nbytes, pin=pin) for b in self.order}
+            for b in self.order:
+                self.host[b] = _host_buffer(arena, index.block(b).nbytes, pin)
+                if arena is not None and not arena.owns(self.host[b]):
+                    self.stats.outside_arena_bytes += index.block(b).nbytes
         # Device block buffers; on the CPU without staging they are the host buffers.
         if to_device or self._pool is not None:
             self.buffers = {b: torch.empty(index.block(b).nbytes, dtype=torch.uint8, device=device) for b in self.order}
@@ -513,9 +525,11 @@ class ChunkPool:
 class BlockLoader:
     """Loads blocks of block checkpoints onto one device; owns the staging chunk pool."""
 
-    def __init__(self, device: str | torch.device = "cpu", config: LoaderConfig | None = None):
+    def __init__(self, device: str | torch.device = "cpu", config: LoaderConfig | None = None,
+                 arena: HostArena | None = None):
         self.device = torch.device(device)
         self.config = config or LoaderConfig()
+        self.arena = arena  # reserved, already faulted-in host memory for block buffers (optional)
         self._pool: ChunkPool | None = None
         self._pool_lock = threading.Lock()
 
@@ -539,7 +553,8 @@ class BlockLoader:
         ids = list(range(index.n_blocks) if block_ids is None else block_ids)
         staged = self.config.staged or (self.device.type != "cpu" and not keep_host)
         pool = self._chunk_pool() if staged else None
-        return LoadJob(ckpt_dir, index, ids, self.device, self.config, keep_host, on_ready, pool).start()
+        return LoadJob(ckpt_dir, index, ids, self.device, self.config, keep_host, on_ready, pool,
+                       self.arena).start()
 
     def load(self, ckpt_dir: str | os.PathLike, index: CheckpointIndex,
              block_ids: Iterable[int] | None = None) -> dict[int, torch.Tensor]:

@@ -272,7 +272,9 @@ class RegistryStore:
         """Create or update; timings are merged so several reporters can add events."""
         now = to_dt(time.time())
         async with self.sessions.begin() as s:
-            row = await s.get(ScaleOperation, op.scale_op_id)
+            # Row lock: the planner and the registry's event handlers merge timings into the same
+            # row concurrently; without it one read-modify-write loses the other's events.
+            row = await s.get(ScaleOperation, op.scale_op_id, with_for_update=True)
             if row is None:
                 row = ScaleOperation(scale_op_id=op.scale_op_id, created_at=now, timings={})
                 s.add(row)
@@ -286,7 +288,7 @@ class RegistryStore:
 
     async def add_scale_op_timing(self, scale_op_id: str, event: str, at: float) -> None:
         async with self.sessions.begin() as s:
-            row = await s.get(ScaleOperation, scale_op_id)
+            row = await s.get(ScaleOperation, scale_op_id, with_for_update=True)
             if row is not None and event not in (row.timings or {}):
                 row.timings = {**(row.timings or {}), event: at}
 
