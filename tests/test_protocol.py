@@ -33,3 +33,37 @@ def test_subjects_live_under_the_namespace():
     names += [subjects.worker_command("w"), subjects.tokens("g", "r"), subjects.tokens_wildcard("g")]
     assert all(n.startswith(subjects.PREFIX + ".") for n in names)
     assert len(set(names)) == len(names)
+
+
+async def test_a_request_waits_briefly_for_a_responder_that_is_still_subscribing(nats_url):
+    import asyncio
+    import time
+
+    from libs.protocol.bus import NO_RESPONDER_GRACE_S, call, make_broker, rpc, start_broker
+
+    client, server = make_broker(nats_url), make_broker(nats_url)
+    await start_broker(client)
+    subject = f"{subjects.PREFIX}.test.late-responder"
+
+    @server.subscriber(subject)
+    @rpc(m.ModelRef)
+    async def answer(req: m.ModelRef) -> m.CommandAck:
+        return m.CommandAck(accepted=True, detail=req.name)
+
+    async def start_late() -> None:
+        await asyncio.sleep(NO_RESPONDER_GRACE_S / 3)
+        await start_broker(server)
+
+    try:
+        starter = asyncio.create_task(start_late())
+        ack = await call(client, subject, m.ModelRef(name="hello"), m.CommandAck, timeout=5)
+        assert ack.detail == "hello"
+        await starter
+        # Nobody will ever answer here: "no responders" fails after the grace, not the timeout.
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await call(client, f"{subjects.PREFIX}.test.nobody", m.ModelRef(name="x"), m.CommandAck, timeout=5)
+        assert time.monotonic() - t0 < NO_RESPONDER_GRACE_S + 1.0
+    finally:
+        await server.stop()
+        await client.stop()

@@ -6,6 +6,7 @@ against the handler's model; a bad message is logged and (for RPCs) answered
 with an `ErrorReply`, and the service carries on.
 """
 
+import asyncio
 import functools
 import logging
 import os
@@ -22,6 +23,7 @@ from libs.protocol.messages import ErrorReply
 log = logging.getLogger(__name__)
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+NO_RESPONDER_GRACE_S = 0.5  # how long a request waits for a responder that is still subscribing
 
 M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R", bound=BaseModel)
@@ -126,13 +128,28 @@ def on_event(model: type[M]) -> Callable[[Callable[[M], Awaitable[None]]], Calla
 
 
 async def call(broker: NatsBroker, subject: str, request: BaseModel, reply_model: type[R], timeout: float = 5.0) -> R:
-    """Typed request/reply; raises RemoteError on an ErrorReply, TimeoutError when nobody answers."""
-    try:
-        response = await broker.request(request.model_dump(mode="json"), subject, timeout=timeout)
-    except Exception as e:
-        if type(e).__name__ in ("TimeoutError", "NoRespondersError"):
-            raise TimeoutError(f"no answer on {subject} within {timeout}s") from e
-        raise
+    """Typed request/reply; raises RemoteError on an ErrorReply, TimeoutError when nobody answers.
+
+    "No responders" is retried for a moment (NO_RESPONDER_GRACE_S): a service that has just
+    started can have its subscription still on the way to the server. Past that, a missing
+    responder fails fast, so a dead worker is noticed without waiting out the timeout.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    grace_until = loop.time() + min(NO_RESPONDER_GRACE_S, timeout)
+    while True:
+        try:
+            response = await broker.request(request.model_dump(mode="json"), subject,
+                                            timeout=max(deadline - loop.time(), 0.001))
+            break
+        except Exception as e:
+            name = type(e).__name__
+            if name == "NoRespondersError" and loop.time() + 0.05 < grace_until:
+                await asyncio.sleep(0.05)
+                continue
+            if name in ("TimeoutError", "NoRespondersError"):
+                raise TimeoutError(f"no answer on {subject} within {timeout}s") from e
+            raise
     body = await response.decode()
     if isinstance(body, dict) and "error" in body and "code" in body:
         raise RemoteError(subject, ErrorReply.model_validate(body))
