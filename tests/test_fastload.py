@@ -378,7 +378,8 @@ def test_blocks_are_announced_in_request_order(monkeypatch, ckpt, index, referen
 
     if slow:  # the first requested block completes last: the others must wait for it
         delay_last_chunk(monkeypatch, index, order[0])
-    config = LoaderConfig(chunk_bytes=4096, threads=threads, staged=staged)
+    # With one reader, one post thread too: chunks then complete strictly in request order.
+    config = LoaderConfig(chunk_bytes=4096, threads=threads, staged=staged, post_threads=1 if threads == 1 else 2)
     job = BlockLoader("cpu", config).start(ckpt, index, order, on_ready=on_ready)
     iterated = [(b, buf.data_ptr()) for b, buf in job]
     join(job)
@@ -395,7 +396,7 @@ def test_blocks_are_announced_in_request_order(monkeypatch, ckpt, index, referen
     if slow:
         assert times[0] >= SLOW_READ_S
     if threads == 1 and len(order) > 1:
-        # One reader works through the chunks in request order: the first block is announced
+        # One reader and one post thread work through the chunks in request order: the first block is announced
         # (and its callback has run) well before the last chunk is read.
         assert times[0] < times[-1]
         assert callback_times[0] < job.stats.started + job.stats.finished_s
@@ -676,7 +677,12 @@ def test_cancel_a_running_job(ckpt, index, reference):
     release.set()
     canceller.join(JOIN_TIMEOUT)
     assert not canceller.is_alive(), "cancel() did not return"
-    assert isinstance(job.error, RuntimeError) and "cancel" in str(job.error)
+    # Callbacks run outside the job's lock, so the readers may finish every block while the first
+    # callback is held: then the load completed before cancel() and cancel() leaves it complete.
+    completed = job.error is None
+    assert completed or (isinstance(job.error, RuntimeError) and "cancel" in str(job.error))
+    if completed:
+        assert announced == list(range(N_BLOCKS)) and job.stats.finished_s is not None
     assert job.done() and not loader_threads()
     assert announced == list(range(len(announced)))
     # The reader may still finish a few chunks between the callback's return and cancel() taking

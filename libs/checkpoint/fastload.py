@@ -468,11 +468,13 @@ class LoadJob:
                 return
             self._to_announce.extend(ready)
         # Callbacks run outside the job's lock (they may call wait/cancel) but one at a time, from
-        # one queue, so that they keep request order whichever thread completed the block.
+        # one queue, so that they keep request order whichever thread completed the block. A block
+        # counted as announced is verified: its callback is delivered even if the job fails later,
+        # so callbacks and wait() always agree on which blocks arrived.
         with self._announce_lock:
             while True:
                 with self._lock:
-                    if not self._to_announce or self._error is not None:
+                    if not self._to_announce:
                         return
                     b, buf = self._to_announce.popleft()
                 try:
