@@ -117,7 +117,7 @@ async def test_worker_expiry_fails_its_instances(database_url, nats_url, client)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             view = await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
-            if not view.instances:
+            if not view.instances and not view.workers:
                 break
             await asyncio.sleep(0.1)
         assert view.instances == [] and view.workers == []
