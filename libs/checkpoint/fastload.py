@@ -44,7 +44,7 @@ import torch
 from .crc import crc32_of_pieces
 from .format import CheckpointIndex, align_up
 from .hostmem import HostArena
-from .loader import ChecksumError
+from .loader import ChecksumError, read_exactly
 
 IO_ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffers aligned to the logical block size
 # Defaults measured on the dev machine (2 cores, virtio disk of 1-2.5 GB/s), cold loads of a
@@ -130,18 +130,6 @@ def open_for_read(path: str | os.PathLike, direct: bool) -> tuple[int, bool]:
     fd = os.open(path, os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     return fd, False
-
-
-def read_exactly(fd: int, into: memoryview, offset: int, need: int, what: str) -> None:
-    """Fill `into` from `offset`; at least `need` bytes must exist (the rest may be past EOF)."""
-    got = 0
-    while got < len(into):
-        n = os.preadv(fd, [into[got:]], offset + got)
-        if n == 0:
-            break
-        got += n
-    if got < need:
-        raise ValueError(f"{what}: file truncated ({got} of {need} bytes read at offset {offset})")
 
 
 @dataclass(frozen=True)
@@ -246,11 +234,11 @@ class LoadJob:
                 self._chunks.append(_Chunk(b, seq, start, min(config.chunk_bytes, n - start)))
         self._crcs: dict[int, dict[int, tuple[int, int]]] = {b: {} for b in self.order}
         self._complete: set[int] = set()
+        self._position = {b: i for i, b in enumerate(self.order)}  # wait() runs per layer while loading
         self._announced = 0  # blocks of self.order announced so far
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._error: BaseException | None = None
-        self._cancelled = False
         self._to_announce: deque[tuple[int, torch.Tensor]] = deque()
         self._announce_lock = threading.Lock()
         self._post_queue: queue.Queue = queue.Queue()
@@ -277,7 +265,7 @@ class LoadJob:
         """The block's target buffer once it is announced; raises the job's error if it failed first."""
         if block_id not in self._pending:
             raise KeyError(f"block {block_id} is not part of this load")
-        position = self.order.index(block_id)
+        position = self._position[block_id]
         with self._changed:
             if not self._changed.wait_for(lambda: self._announced > position or self._error is not None, timeout):
                 raise TimeoutError(f"block {block_id} not ready after {timeout} s")
@@ -306,7 +294,7 @@ class LoadJob:
 
     def cancel(self) -> None:
         if not self.done():
-            self._fail(RuntimeError("load cancelled"), cancelled=True)
+            self._fail(RuntimeError("load cancelled"))
         self.join()
 
     def join(self) -> None:
@@ -314,11 +302,10 @@ class LoadJob:
             t.join()
 
     # --- threads ----------------------------------------------------------------------------------
-    def _fail(self, error: BaseException, cancelled: bool = False) -> None:
+    def _fail(self, error: BaseException) -> None:
         with self._changed:
             if self._error is None:
                 self._error = error
-                self._cancelled = cancelled
             self._changed.notify_all()
         if self._pool is not None:
             self._pool.wake_all()
@@ -435,25 +422,27 @@ class LoadJob:
                 if item[2] is not None:
                     self._pool.give(item[2])
 
+    def _verify(self, block_id: int) -> ChecksumError | None:
+        """The block's CRC, combined from its chunks' CRCs, against the index (caller holds the lock)."""
+        if not self.config.verify:
+            return None
+        pieces = self._crcs[block_id]
+        actual = f"{crc32_of_pieces([pieces[i] for i in range(len(pieces))]):08x}"
+        expected = self.index.block(block_id).checksum
+        return None if actual == expected else ChecksumError(block_id, self.path, expected, actual)
+
     def _chunk_done(self, chunk: _Chunk, crc: int) -> None:
         ready: list[tuple[int, torch.Tensor]] = []
+        mismatch: ChecksumError | None = None
         with self._changed:
             if self._error is not None:
                 return
             self._crcs[chunk.block_id][chunk.seq] = (crc, chunk.nbytes)
             self._pending[chunk.block_id] -= 1
             if self._pending[chunk.block_id] == 0:
-                if self.config.verify:
-                    pieces = self._crcs[chunk.block_id]
-                    actual = f"{crc32_of_pieces([pieces[i] for i in range(len(pieces))]):08x}"
-                    expected = self.index.block(chunk.block_id).checksum
-                    if actual != expected:
-                        self._error = ChecksumError(chunk.block_id, self.path, expected, actual)
-                        self._changed.notify_all()
-                        if self._pool is not None:
-                            self._pool.wake_all()
-                        return
-                self._complete.add(chunk.block_id)
+                mismatch = self._verify(chunk.block_id)
+                if mismatch is None:
+                    self._complete.add(chunk.block_id)
             now = time.perf_counter() - self.stats.started
             while self._announced < len(self.order) and self.order[self._announced] in self._complete:
                 b = self.order[self._announced]
@@ -464,9 +453,14 @@ class LoadJob:
                 self.stats.finished_s = now
             if ready:
                 self._changed.notify_all()
-            if self.on_ready is None:
-                return
-            self._to_announce.extend(ready)
+            if self.on_ready is not None:
+                self._to_announce.extend(ready)
+        if mismatch is not None:
+            # Never marked complete: no block after it in request order can be announced.
+            self._fail(mismatch)
+            return
+        if self.on_ready is None:
+            return
         # Callbacks run outside the job's lock (they may call wait/cancel) but one at a time, from
         # one queue, so that they keep request order whichever thread completed the block. A block
         # counted as announced is verified: its callback is delivered even if the job fails later,

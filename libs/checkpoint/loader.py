@@ -35,6 +35,18 @@ def crc32_hex(buf: memoryview | bytes, chunk: int = CHUNK) -> str:
     return f"{crc:08x}"
 
 
+def read_exactly(fd: int, into: memoryview, offset: int, need: int, what: str) -> None:
+    """Fill `into` from `offset`; at least `need` bytes must exist (the rest may be past EOF)."""
+    got = 0
+    while got < len(into):
+        n = os.preadv(fd, [into[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    if got < need:
+        raise ValueError(f"{what}: file truncated ({got} of {need} bytes read at offset {offset})")
+
+
 def allocate_block(index: CheckpointIndex, block_id: int, device: str | torch.device = "cpu") -> torch.Tensor:
     """An uninitialised buffer of exactly the block's size (what receivers pre-allocate)."""
     return torch.empty(index.block(block_id).nbytes, dtype=torch.uint8, device=device)
@@ -71,17 +83,12 @@ def load_block(
         raise ValueError(f"out has {out.numel()} bytes, block {block_id} needs {entry.nbytes}")
     buf = out[: entry.nbytes]
     path = Path(ckpt_dir) / index.data_file
-    # readinto the tensor's own memory: no intermediate bytes object, no extra copy.
-    mv = memoryview(buf.numpy())
-    with open(path, "rb", buffering=0) as f:
-        f.seek(entry.offset)
-        filled = 0
-        while filled < entry.nbytes:
-            # Bounded reads: Linux caps a single read() at ~2 GiB anyway.
-            n = f.readinto(mv[filled : min(filled + CHUNK, entry.nbytes)])
-            if not n:
-                raise ValueError(f"block {block_id} of {path}: file truncated ({filled} of {entry.nbytes} bytes read)")
-            filled += n
+    # Read into the tensor's own memory: no intermediate bytes object, no extra copy.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read_exactly(fd, memoryview(buf.numpy()), entry.offset, entry.nbytes, f"block {block_id} of {path}")
+    finally:
+        os.close(fd)
     if verify:
         verify_block(index, block_id, buf, path)
     return buf
