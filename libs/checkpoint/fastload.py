@@ -71,7 +71,7 @@ def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
     return raw[start : start + capacity]
 
 
-def _host_buffer(arena: HostArena | None, nbytes: int, pin: bool) -> torch.Tensor:
+def host_buffer(arena: HostArena | None, nbytes: int, pin: bool) -> torch.Tensor:
     """From the arena when it has room (no page faults in the reads), else freshly allocated."""
     buf = arena.take(nbytes) if arena is not None else None
     return buf if buf is not None else aligned_empty(nbytes, pin=pin)
@@ -214,7 +214,7 @@ class LoadJob:
         self.host: dict[int, torch.Tensor] = {}
         if self._pool is None:
             for b in self.order:
-                self.host[b] = _host_buffer(arena, index.block(b).nbytes, pin)
+                self.host[b] = host_buffer(arena, index.block(b).nbytes, pin)
                 if arena is not None and not arena.owns(self.host[b]):
                     self.stats.outside_arena_bytes += index.block(b).nbytes
         # Device block buffers; on the CPU without staging they are the host buffers.

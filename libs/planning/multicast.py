@@ -39,6 +39,10 @@ __all__ = [
     "schedule_steps",
     "validate_schedule",
     "ceil_log2",
+    "NodePart",
+    "node_parts",
+    "step_bound_s",
+    "chain_bound_s",
 ]
 
 
@@ -562,3 +566,50 @@ def pipeline_stages(
         stages.append((best_node, blk, best_end))
         blk = best_end + 1
     return stages
+
+
+# ---------------------------------------------------------------------------
+# Executor hand-off and time bounds
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodePart:
+    """One node's share of a schedule: what it sends and what it receives, each in step order.
+
+    A node sends one block at a time in this order, each as soon as it holds it
+    (single send port); receives may complete in any order.
+    """
+
+    sends: tuple[Transfer, ...]
+    receives: tuple[Transfer, ...]
+
+
+def node_parts(schedule: Iterable[Transfer], n_nodes: int) -> list[NodePart]:
+    """Split a schedule into per-node parts (index = node)."""
+    sends: list[list[Transfer]] = [[] for _ in range(n_nodes)]
+    receives: list[list[Transfer]] = [[] for _ in range(n_nodes)]
+    for t in _sorted(schedule):
+        if not (0 <= t.src < n_nodes and 0 <= t.dst < n_nodes):
+            raise ScheduleError(f"node outside 0..{n_nodes - 1} in {t}")
+        sends[t.src].append(t)
+        receives[t.dst].append(t)
+    return [NodePart(tuple(s), tuple(r)) for s, r in zip(sends, receives)]
+
+
+def step_bound_s(n_steps: int, n_blocks: int, total_bytes: int, rate_bytes_per_s: float) -> float:
+    """Time a block-granular schedule needs at best: each step moves one block (M/B) per link.
+
+    1→N binomial: (M/R)·(B + ⌈log2 N⌉ − 1)/B; star: (N − 1)·M/R; a block-pipelined
+    binary tree: about 2M/R plus its depth's fill (the step count says exactly).
+    """
+    if n_blocks < 1 or rate_bytes_per_s <= 0:
+        raise ValueError("need n_blocks >= 1 and a positive rate")
+    return n_steps * (total_bytes / n_blocks) / rate_bytes_per_s
+
+
+def chain_bound_s(n_nodes: int, total_bytes: int, chunk_bytes: int, rate_bytes_per_s: float) -> float:
+    """A chain of n nodes (source included) forwarding cut-through in chunks of c: (M + (n − 2)·c)/R."""
+    if n_nodes < 2 or rate_bytes_per_s <= 0:
+        raise ValueError("a chain needs at least 2 nodes and a positive rate")
+    return (total_bytes + (n_nodes - 2) * min(chunk_bytes, total_bytes)) / rate_bytes_per_s

@@ -9,7 +9,7 @@ import time
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, RootModel
+from pydantic import BaseModel, ConfigDict, Field, RootModel, model_validator
 
 PROTOCOL_VERSION = 1
 
@@ -270,13 +270,87 @@ class UnloadModel(Message):
     scale_op_id: str | None = None
 
 
-class WorkerCommand(RootModel[Annotated[LoadModel | UnloadModel, Field(discriminator="op")]]):
-    """What arrives on subjects.worker_command(...): a LoadModel or an UnloadModel."""
+class TransferHop(BaseModel):
+    """One line of a worker's part of a multicast: in `step`, `block` goes to / comes from `peer`."""
+
+    step: int = Field(ge=0)
+    peer: str = Field(min_length=1)
+    block: int = Field(ge=0)
+
+
+class TransferPart(Message):
+    """Planner -> worker: this worker's part of one block multicast (libs/transfer executes it).
+
+    Sends are done in order, each as soon as the worker holds the block (data-driven, no
+    barrier per step); every received block is verified against its checksum and
+    announced with a BlockEvent the moment it is complete. A TransferReport ends the part.
+    The worker acks once it is ready to receive, so a planner that sends parts to
+    receivers before sources times the multicast from the first byte.
+    """
+
+    op: Literal["transfer"] = "transfer"
+    transfer_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-.:]+$")
+    model: str
+    algorithm: str = ""
+    blocks: list[BlockInfo] = Field(min_length=1)  # every block the part touches: sizes and checksums
+    peers: dict[str, str]  # worker id -> data-plane address, for every peer named in sends/receives
+    sends: list[TransferHop] = []
+    receives: list[TransferHop] = []
+    chunk_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
+    stall_timeout_s: float = Field(default=30.0, gt=0)
+    scale_op_id: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TransferPart":
+        known = {b.block_id for b in self.blocks}
+        for hop in [*self.sends, *self.receives]:
+            if hop.block not in known:
+                raise ValueError(f"hop names block {hop.block}, which is not in blocks")
+            if hop.peer not in self.peers:
+                raise ValueError(f"hop names peer {hop.peer!r}, which has no address in peers")
+        received = [h.block for h in self.receives]
+        if len(received) != len(set(received)):
+            raise ValueError("a block is received more than once")
+        return self
+
+
+class WorkerCommand(RootModel[Annotated[LoadModel | UnloadModel | TransferPart, Field(discriminator="op")]]):
+    """What arrives on subjects.worker_command(...): a LoadModel, an UnloadModel or a TransferPart."""
 
 
 class CommandAck(Message):
     accepted: bool
     detail: str = ""
+
+
+class RdmaConnect(Message):
+    """Worker -> worker: RDMA queue-pair connection data (libs/transfer/rdma.py ConnectionInfo).
+
+    The reply is another RdmaConnect carrying the answering worker's data.
+    """
+
+    node_id: str
+    info: dict
+
+
+class TransferReport(Message):
+    """Worker -> planner (and benchmarks): how a worker's part of a multicast ended.
+
+    Times are wall-clock (time.time()), so parts reported by workers on one host, or on
+    hosts with synchronised clocks, line up.
+    """
+
+    transfer_id: str
+    worker_id: str
+    model: str
+    ok: bool
+    error: str | None = None
+    started_at: float
+    finished_at: float
+    block_arrived_at: dict[int, float] = {}
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    scale_op_id: str | None = None
 
 
 # --- generation ---------------------------------------------------------------------------------

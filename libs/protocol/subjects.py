@@ -52,6 +52,8 @@ EVENT_MODEL = f"{PREFIX}.events.model"
 EVENT_INSTANCE = f"{PREFIX}.events.instance"
 # EVENT BlockEvent (worker -> registry, planner): a block replica changed tier/state
 EVENT_BLOCK = f"{PREFIX}.events.block"
+# EVENT TransferReport (worker -> planner, benchmarks): a worker's part of a multicast ended
+EVENT_TRANSFER = f"{PREFIX}.events.transfer"
 
 # --- metrics and scaling ------------------------------------------------------
 # EVENT GatewayMetrics (gateway -> load-monitor), periodic and on demand changes
@@ -71,6 +73,11 @@ def worker_command(worker_id: str) -> str:
 def worker_generate(worker_id: str) -> str:
     """RPC GenerateRequest -> GenerateAccepted (gateway -> worker); tokens follow on `tokens(...)`."""
     return f"{PREFIX}.worker.{worker_id}.generate"
+
+
+def worker_rdma_connect(worker_id: str) -> str:
+    """RPC RdmaConnect -> RdmaConnect (worker -> worker): set up RDMA queue pairs to this worker."""
+    return f"{PREFIX}.worker.{worker_id}.rdma.connect"
 
 
 def worker_cancel(worker_id: str) -> str:

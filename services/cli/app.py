@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -128,9 +129,23 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
        demo_preset: str = typer.Option("small", help="tiny | small | 100m | 200m"),
        demo_blocks: int = typer.Option(4, help="Blocks of the demo model."),
        detach: bool = typer.Option(False, help="Return once healthy; stop it with 'layercast down'."),
-       torch_threads: int = typer.Option(1, help="Torch threads per worker.")) -> None:
+       torch_threads: int = typer.Option(1, help="Torch threads per worker."),
+       emulate: bool = typer.Option(False, help="Root: each worker in its own network namespace with a capped link."),
+       link_mbit: float = typer.Option(None, "--link-mbit", help="With --emulate: each worker's link rate (tc tbf)."),
+       cpu_quota: float = typer.Option(None, "--cpu-quota", help="With --emulate: CPUs per worker (cgroup quota).")
+       ) -> None:
     """Start a dev cluster: NATS, database, the five services and N workers."""
     state_dir = state_dir.resolve()
+    if emulate:
+        from services.cli.emulation import can_emulate
+
+        ok, why = can_emulate()
+        if not ok:
+            _fail(f"--emulate needs root, iproute2 and network namespaces: {why}")
+        if detach:
+            _fail("--emulate runs in the foreground: the emulated network lives as long as this command")
+    elif link_mbit is not None or cpu_quota is not None:
+        _fail("--link-mbit and --cpu-quota only apply with --emulate")
     try:
         existing = ClusterState.load(state_dir)
         if any(p["alive"] for p in cluster_status(state_dir)["processes"]):
@@ -140,10 +155,24 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
     spec = ClusterSpec(state_dir=state_dir, port=port, api_key=api_key, admin_key=admin_key, workers=workers,
                        nats_url=os.environ.get("NATS_URL"), database_url=os.environ.get("DATABASE_URL"),
                        namespace=os.environ.get("LAYERCAST_NAMESPACE", "layercast"), torch_threads=torch_threads)
+    with ExitStack() as stack:
+        emulation = None
+        if emulate:
+            from services.cli.emulation import EmulatedCluster
+
+            emulation = stack.enter_context(EmulatedCluster(workers, link_mbit, cpu_quota=cpu_quota))
+            console.print(f"emulated network: bridge {emulation.bridge} ({emulation.host_ip}), workers on "
+                          f"{', '.join(n.ip for n in emulation.nodes)}, links "
+                          f"{f'{link_mbit:g} Mbit/s' if link_mbit else 'uncapped'}")
+        _up(spec, state_dir, workers, demo, demo_preset, demo_blocks, detach, emulation)
+
+
+def _up(spec: ClusterSpec, state_dir: Path, workers: int, demo: bool, demo_preset: str, demo_blocks: int,
+        detach: bool, emulation) -> None:
     try:
         model_path = _demo_checkpoint(state_dir, demo_preset, demo_blocks) if demo else None
         with console.status(f"starting NATS, database, services and {workers} workers"):
-            state = start_cluster(spec)
+            state = start_cluster(spec, emulation=emulation)
     except ClusterError as e:
         _fail(str(e))
     try:

@@ -180,3 +180,52 @@ def load(
     from rich.console import Console
 
     Console().print_json(json.dumps(result))
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of integers") from None
+
+
+@bench_app.command("multicast")
+def multicast(
+    nodes: int = typer.Option(8, "--nodes", min=2, help="Nodes in the emulated cluster, sources included."),
+    size_mb: float = typer.Option(256, "--size-mb", min=0.001, help="Model size in MiB."),
+    blocks: int = typer.Option(16, "--blocks", min=1, help="Blocks the model is cut into."),
+    link_mbit: float = typer.Option(400, "--link-mbit", min=1, help="Per-node link rate R (both directions)."),
+    algorithms: str = typer.Option("star,binary-tree,chain,binomial", "--algorithms"),
+    ks: str = typer.Option("1,2,4", "--k", help="Source counts for chain and binomial (k-way)."),
+    chunk_kib: int = typer.Option(1024, "--chunk-kib", min=4, help="Frame size of the TCP transport."),
+    repeat: int = typer.Option(1, "--repeat", min=1, help="Runs per algorithm; the median is reported."),
+    cpu_quota: float = typer.Option(None, "--cpu-quota", help="CPUs per node (cgroup quota); default none."),
+    mtu: int = typer.Option(9000, "--mtu", help="Link MTU (jumbo frames as in datacenter fabrics)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Every multicast algorithm on one emulated cluster (root: netns + tc), against its bounds."""
+    from services.cli.bench_multicast import ALGORITHMS, run_multicast_benchmark
+    from services.cli.emulation import can_emulate
+
+    ok, why = can_emulate()
+    if not ok:
+        raise typer.BadParameter(f"cannot emulate a cluster here: {why}")
+    algs = [a.strip() for a in algorithms.split(",") if a.strip()]
+    bad = [a for a in algs if a not in ALGORITHMS]
+    if bad:
+        raise typer.BadParameter(f"unknown algorithms {bad}; choose from {', '.join(ALGORITHMS)}")
+    result = run_multicast_benchmark(nodes, size_mb, blocks, link_mbit, algs, _int_list(ks), chunk_kib, repeat,
+                                     cpu_quota, mtu)
+    if json_out:
+        typer.echo(json.dumps(result))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"multicast of {size_mb} MiB in {blocks} blocks to {nodes} nodes at {link_mbit} Mbit/s")
+    for col in ("algorithm", "k", "completion s", "schedule bound s", "measured/bound", "measured/(M/R)"):
+        table.add_column(col, justify="right")
+    for r in result["results"]:
+        table.add_row(r["algorithm"], str(r["k"]), f"{r['completion_s']:.3f}", f"{r['schedule_bound_s']:.3f}",
+                      f"{r['ratio_to_schedule_bound']:.3f}", f"{r['ratio_to_lower_bound']:.3f}")
+    Console().print(table)

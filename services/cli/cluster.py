@@ -16,6 +16,10 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.cli.emulation import EmulatedCluster
 
 STATE_FILE = "cluster.json"
 
@@ -50,15 +54,16 @@ def wait_port(host: str, port: int, timeout_s: float) -> None:
     raise ClusterError(f"{host}:{port} did not open within {timeout_s}s")
 
 
-def start_nats(state_dir: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+def start_nats(state_dir: Path, port: int | None = None, host: str = "127.0.0.1") -> tuple[subprocess.Popen, str]:
+    """A nats-server with JetStream; `host` is the address it listens on (an emulated cluster's bridge)."""
     port = port or free_port()
     store = state_dir / "nats"
     store.mkdir(parents=True, exist_ok=True)
     log = open(state_dir / "logs" / "nats.log", "ab")
-    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
+    proc = subprocess.Popen([nats_server_binary(), "-a", host, "-p", str(port), "-js", "-sd", str(store)],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    wait_port("127.0.0.1", port, 15)
-    return proc, f"nats://127.0.0.1:{port}"
+    wait_port(host, port, 15)
+    return proc, f"nats://{host}:{port}"
 
 
 @dataclass
@@ -139,14 +144,21 @@ def _tail(path: str, lines: int = 30) -> str:
         return ""
 
 
-def start_cluster(spec: ClusterSpec, timeout_s: float = 120.0) -> ClusterState:
+def start_cluster(spec: ClusterSpec, timeout_s: float = 120.0, emulation: "EmulatedCluster | None" = None) -> ClusterState:
+    """Start every process; with `emulation`, worker i runs in emulated node i's namespace.
+
+    Emulated workers reach NATS through the bridge, so the cluster then runs its own NATS
+    listening there (a NATS_URL on loopback would be out of their reach).
+    """
     state_dir = spec.state_dir.resolve()
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     procs: list[ProcessInfo] = []
     started: list[subprocess.Popen] = []
-    nats_url = spec.nats_url
+    if emulation is not None and len(emulation.nodes) < spec.workers:
+        raise ClusterError(f"{spec.workers} workers need {spec.workers} emulated nodes, got {len(emulation.nodes)}")
+    nats_url = spec.nats_url if emulation is None else None
     if nats_url is None:
-        proc, nats_url = start_nats(state_dir)
+        proc, nats_url = start_nats(state_dir, host=emulation.host_ip if emulation else "127.0.0.1")
         started.append(proc)
         procs.append(ProcessInfo("nats", proc.pid, None, str(state_dir / "logs" / "nats.log")))
     database_url = spec.database_url or f"sqlite:///{state_dir / 'registry.db'}"
@@ -155,11 +167,16 @@ def start_cluster(spec: ClusterSpec, timeout_s: float = 120.0) -> ClusterState:
     base_env = {**os.environ, **spec.extra_env, "NATS_URL": nats_url, "LAYERCAST_NAMESPACE": spec.namespace,
                 "PYTHONUNBUFFERED": "1"}
 
-    def launch(name: str, module: str, args: list[str], env: dict[str, str], health: str | None) -> None:
+    def launch(name: str, module: str, args: list[str], env: dict[str, str], health: str | None,
+               node: int | None = None) -> None:
         log_path = state_dir / "logs" / f"{name}.log"
         log = open(log_path, "ab")
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
-                                env={**base_env, **env}, cwd=state_dir, start_new_session=True)
+        argv = [sys.executable, "-m", module, *args]
+        kwargs = dict(stdout=log, stderr=subprocess.STDOUT, env={**base_env, **env}, cwd=state_dir)
+        if node is None:
+            proc = subprocess.Popen(argv, start_new_session=True, **kwargs)
+        else:
+            proc = emulation.popen(node, argv, **kwargs)
         started.append(proc)
         procs.append(ProcessInfo(name, proc.pid, health, str(log_path)))
 
@@ -174,8 +191,14 @@ def start_cluster(spec: ClusterSpec, timeout_s: float = 120.0) -> ClusterState:
         service("planner", "services.planner")
         service("load-monitor", "services.load_monitor")
         for i in range(spec.workers):
-            service(f"worker-{i}", "services.worker", ["--worker-id", f"worker-{i}", "--torch-threads",
-                                                       str(spec.torch_threads)])
+            args = ["--worker-id", f"worker-{i}", "--torch-threads", str(spec.torch_threads)]
+            if emulation is None:
+                service(f"worker-{i}", "services.worker", args)
+            else:
+                ip = emulation.nodes[i].ip  # its data plane and health port live on its emulated link
+                launch(f"worker-{i}", "services.worker", [*args, "--data-host", ip, "--health-host", ip,
+                                                          "--health-port", "8081"], {},
+                       f"http://{ip}:8081/health", node=i)
         launch("gateway", "services.gateway", ["--port", str(spec.port)],
                {"LAYERCAST_API_KEYS": spec.api_key, "LAYERCAST_ADMIN_KEYS": spec.admin_key},
                f"http://127.0.0.1:{spec.port}/health")

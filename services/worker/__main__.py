@@ -29,6 +29,9 @@ def main() -> None:
     p.add_argument("--serve-while-loading", action=argparse.BooleanOptionalAction,
                    default=env("LAYERCAST_SERVE_WHILE_LOADING", "1") not in ("0", "false", "no"),
                    help="announce an instance after its first block and run blocks as they arrive")
+    p.add_argument("--transport", choices=["tcp", "rdma"], default=env("LAYERCAST_TRANSPORT", "tcp"),
+                   help="block transfers between workers: tcp, or rdma (the rdma extra and an RDMA device)")
+    p.add_argument("--rdma-device", default=env("LAYERCAST_RDMA_DEVICE") or None)
     p.add_argument("--torch-threads", type=int, default=int(env("LAYERCAST_TORCH_THREADS", "0")))
     p.add_argument("--health-host", default=env("LAYERCAST_HEALTH_HOST", "127.0.0.1"))
     p.add_argument("--health-port", type=int, default=int(env("LAYERCAST_HEALTH_PORT", "0")))
@@ -40,7 +43,8 @@ def main() -> None:
         host_arena_bytes=int(a.host_arena_gb * (1 << 30)),
         engine_capacity_bytes=int(a.engine_capacity_gb * (1 << 30)),
         heartbeat_interval_s=a.heartbeat_interval, torch_threads=a.torch_threads,
-        device=a.device, serve_while_loading=a.serve_while_loading, load_chunk_bytes=a.load_chunk_mib << 20, load_threads=a.load_threads,
+        device=a.device, serve_while_loading=a.serve_while_loading, load_chunk_bytes=a.load_chunk_mib << 20,
+        load_threads=a.load_threads, transport=a.transport, rdma_device=a.rdma_device,
     )
     run(lambda: WorkerService(config), a.health_host, a.health_port)
 

@@ -26,15 +26,19 @@ from libs.checkpoint.fastload import (
     LoaderConfig,
     LoadJob,
     copy_to_device,
+    host_buffer,
 )
 from libs.engine import Engine, SamplingParams, TokenOutput
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import DomainError, call, on_event, publish, rpc
 from libs.telemetry import tracer
+from libs.transfer.base import Transport, TransferError
+from libs.transfer.tcp import TcpTransport
 from services.common.runner import Service
 from services.worker.host_cache import HostBlockCache
 from services.worker.runtime import EngineRuntime
+from services.worker.transfers import TransferAgent
 
 log = logging.getLogger(__name__)
 _tracer = tracer("worker")
@@ -70,6 +74,8 @@ class WorkerConfig:
     # Host memory reserved and faulted in at start for loaded blocks (0: allocate per load). Loads
     # into it skip a page fault per 4 KiB; production workers size it like host_capacity_bytes.
     host_arena_bytes: int = 0
+    transport: str = "tcp"  # block transfers: "tcp", or "rdma" (pyverbs and an RDMA device)
+    rdma_device: str | None = None
 
 
 @dataclass
@@ -85,6 +91,28 @@ class _ArrivingBlocks:
         if self.job is None:
             raise KeyError(f"block {block_id} is neither cached nor loading")
         return self.job.wait(block_id, timeout)
+
+
+class _HostTierBlocks:
+    """The TransferAgent's view of the worker's host tier: send from it, receive into it."""
+
+    def __init__(self, worker: "WorkerService"):
+        self.worker = worker
+
+    def take(self, model: str, block_id: int) -> torch.Tensor | None:
+        buf = self.worker.cache.get((model, block_id))
+        if buf is not None:
+            self.worker.cache.pin((model, block_id))  # not evicted while it is being sent
+        return buf
+
+    async def release(self, model: str, block_id: int) -> None:
+        await self.worker._report_evicted(self.worker.cache.unpin((model, block_id)))
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return host_buffer(self.worker.loader.arena, nbytes, pin=torch.device(self.worker.config.device).type == "cuda")
+
+    async def store(self, model: str, block_id: int, buffer: torch.Tensor) -> None:
+        await self.worker._report_evicted(self.worker.cache.put((model, block_id), buffer))
 
 
 @dataclass
@@ -117,6 +145,8 @@ class WorkerService(Service):
         self.instances: dict[str, _Instance] = {}
         self.requests: dict[str, _Request] = {}
         self.runtime: EngineRuntime | None = None
+        self.transport: Transport | None = None
+        self.transfers: TransferAgent | None = None
         self._registered = False
         self._loading: set[str] = set()
         self._tokens_since = 0
@@ -131,7 +161,7 @@ class WorkerService(Service):
         disk = shutil.disk_usage(os.getcwd()).free
         return dict(
             worker_id=c.worker_id,
-            data_address=f"{c.data_host}:{c.data_port}",
+            data_address=self.transport.address if self.transport else f"{c.data_host}:{c.data_port}",
             topology=m.Topology(host=c.host, leaf=c.leaf, scaleup_group=c.scaleup_group, link_gbps=c.link_gbps),
             capacities={m.Tier.gpu: c.engine_capacity_bytes, m.Tier.host: c.host_capacity_bytes, m.Tier.ssd: disk},
             bandwidths_gbps=dict(self.bandwidths_gbps),
@@ -156,6 +186,9 @@ class WorkerService(Service):
             log.info("host arena of %d bytes reserved for block buffers", self.loader.arena.capacity_bytes)
         self.runtime = EngineRuntime(asyncio.get_running_loop(), self._on_outputs)
         self.runtime.start()
+        self.transport = self._make_transport(asyncio.get_running_loop())
+        self.transfers = TransferAgent(self.broker, self.transport, self.config.worker_id, _HostTierBlocks(self))
+        log.info("data plane listening on %s", self.transport.address)
         await super().start()
         # The registry may start after us: retry until it answers.
         while True:
@@ -170,9 +203,34 @@ class WorkerService(Service):
         log.info("worker %s registered", self.config.worker_id)
         self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
 
+    def _make_transport(self, loop: asyncio.AbstractEventLoop) -> Transport:
+        c = self.config
+        if c.transport == "tcp":
+            return TcpTransport(c.worker_id, c.data_host, c.data_port)
+        if c.transport != "rdma":
+            raise ValueError(f"unknown transport {c.transport!r}: tcp or rdma")
+        from libs.transfer.rdma import RdmaTransport, rdma_available
+
+        ok, why = rdma_available(c.rdma_device)
+        if not ok:
+            raise RuntimeError(f"--transport rdma: {why}")
+
+        def exchange(peer: str, info: dict) -> dict:
+            # Called on a transfer thread: the NATS round trip runs on the service's loop.
+            reply = asyncio.run_coroutine_threadsafe(call(
+                self.broker, subjects.worker_rdma_connect(peer), m.RdmaConnect(node_id=c.worker_id, info=info),
+                m.RdmaConnect, timeout=10.0), loop).result(15.0)
+            return reply.info
+
+        return RdmaTransport(c.worker_id, exchange, device_name=c.rdma_device)
+
     async def stop(self) -> None:
         for inst in list(self.instances.values()):
             await self._stop_instance(inst, reason="worker shutting down")
+        if self.transfers:
+            await self.transfers.stop()
+        if self.transport:
+            self.transport.close()
         await super().stop()
         if self.runtime:
             await asyncio.to_thread(self.runtime.stop)
@@ -364,6 +422,8 @@ class WorkerService(Service):
         @rpc(m.WorkerCommand)
         async def command(cmd: m.WorkerCommand) -> m.CommandAck:
             op = cmd.root
+            if isinstance(op, m.TransferPart):
+                return await self.transfers.accept(op)
             if isinstance(op, m.LoadModel):
                 if op.instance_id in self.instances or op.instance_id in self._loading:
                     return m.CommandAck(accepted=True, detail="already loaded or loading")
@@ -399,6 +459,18 @@ class WorkerService(Service):
             self.requests[req.request_id] = _Request(req.instance_id, req.model, req.reply_subject, span)
             self.runtime.submit(req.instance_id, req.request_id, req.prompt_ids, params)
             return m.GenerateAccepted(request_id=req.request_id, queued=self.runtime.running(req.instance_id))
+
+        @b.subscriber(subjects.worker_rdma_connect(wid))
+        @rpc(m.RdmaConnect)
+        async def rdma_connect(req: m.RdmaConnect) -> m.RdmaConnect:
+            accept = getattr(self.transport, "accept_exchange", None)
+            if accept is None:
+                raise DomainError(f"{wid} runs the {self.config.transport} transport, not rdma", code="conflict")
+            try:
+                info = await asyncio.to_thread(accept, req.node_id, req.info)
+            except (ValueError, TransferError) as e:
+                raise DomainError(f"rdma connection from {req.node_id} refused: {e}") from e
+            return m.RdmaConnect(node_id=wid, info=info)
 
         @b.subscriber(subjects.worker_cancel(wid))
         @on_event(m.CancelRequest)

@@ -1,0 +1,347 @@
+"""What every transport gives the plan executors: block slots and the Transport interface.
+
+A :class:`BlockSlot` is one block's pre-allocated buffer plus how many bytes of it
+are in place. Receivers write into it front to back and advance the watermark;
+a relaying sender streams from it as the watermark moves (cut-through: chunk k
+goes out while chunk k+1 comes in). A running crc32 is kept as bytes arrive so
+the block can be verified the moment it is complete.
+
+Executors only see this interface, never which transport runs below it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import zlib
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 1 << 20  # bulk transfers move ~1 MiB per frame
+FORGOTTEN_OPS_KEPT = 4096
+
+
+class TransferError(RuntimeError):
+    """An operation cannot complete: a peer was lost, a stream broke or stalled, a block is corrupt."""
+
+
+def _byte_view(buffer: torch.Tensor | memoryview | bytearray) -> memoryview:
+    if isinstance(buffer, torch.Tensor):
+        if buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError("block slots need a contiguous host (CPU) tensor")
+        return memoryview(buffer.view(torch.uint8).reshape(-1).numpy()).cast("B")
+    return memoryview(buffer).cast("B")
+
+
+class BlockSlot:
+    """One block's buffer with a fill watermark, a running checksum and a failure flag.
+
+    Thread-safe: one writer (the transport's receive path) advances it; any number of
+    readers (senders relaying the block) wait for the watermark.
+    """
+
+    def __init__(self, block_id: int, buffer: torch.Tensor | memoryview | bytearray, nbytes: int | None = None,
+                 *, complete: bool = False):
+        view = _byte_view(buffer)
+        nbytes = len(view) if nbytes is None else nbytes
+        if nbytes > len(view):
+            raise ValueError(f"block {block_id}: buffer holds {len(view)} bytes, block needs {nbytes}")
+        self.block_id = block_id
+        self.buffer = buffer  # keeps the storage alive
+        self.view = view[:nbytes]
+        self.nbytes = nbytes
+        self.filled = nbytes if complete else 0
+        self.crc = 0  # running crc32 of the bytes received so far (not computed for source blocks)
+        self.completed_at: float | None = time.time() if complete else None
+        self.first_byte_at: float | None = None
+        self.error: BaseException | None = None
+        self.admitted = True  # see admit(): a receiver may hold back bytes until earlier receives are done
+        self._cond = threading.Condition()
+        self._listeners: list[Callable[[BlockSlot], None]] = []
+        self._thresholds: list[tuple[int, Callable[[BlockSlot], None]]] = []
+
+    @property
+    def complete(self) -> bool:
+        return self.filled >= self.nbytes
+
+    def writable(self, offset: int, length: int) -> memoryview:
+        """Where a receiver puts bytes [offset, offset+length); must continue the fill in order."""
+        if offset != self.filled:
+            raise TransferError(f"block {self.block_id}: bytes at offset {offset} but {self.filled} are filled")
+        if offset + length > self.nbytes:
+            raise TransferError(f"block {self.block_id}: {offset}+{length} bytes overrun {self.nbytes}")
+        return self.view[offset:offset + length]
+
+    def advance(self, length: int) -> None:
+        """Mark `length` more bytes (just written through :meth:`writable`) as in place."""
+        start = self.filled
+        if start == 0:
+            self.first_byte_at = time.time()
+        self.crc = zlib.crc32(self.view[start:start + length], self.crc)
+        with self._cond:
+            self.filled = start + length
+            done = self.complete
+            if done:
+                self.completed_at = time.time()
+            self._cond.notify_all()
+            listeners = list(self._listeners) if done else []
+            reached = [fn for at, fn in self._thresholds if at <= self.filled]
+            self._thresholds = [(at, fn) for at, fn in self._thresholds if at > self.filled]
+        for fn in reached:
+            fn(self)
+        for fn in listeners:
+            fn(self)
+
+    def hold(self) -> None:
+        """Keep this block's bytes back until admit() (receive in schedule order)."""
+        with self._cond:
+            self.admitted = False
+
+    def admit(self) -> None:
+        with self._cond:
+            self.admitted = True
+            self._cond.notify_all()
+
+    def wait_admitted(self) -> None:
+        """Block the receive path until the block is admitted (or the slot fails)."""
+        with self._cond:
+            while not self.admitted and self.error is None:
+                self._cond.wait(0.5)
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self.complete or self.error is not None:
+                return
+            self.error = error
+            self._cond.notify_all()
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn(self)
+
+    def on_done(self, fn: Callable[[BlockSlot], None]) -> None:
+        """Call `fn(slot)` once the slot is complete or has failed (now, if it already is)."""
+        with self._cond:
+            done = self.complete or self.error is not None
+            if not done:
+                self._listeners.append(fn)
+        if done:
+            fn(self)
+
+    def when_filled(self, at_least: int, fn: Callable[[BlockSlot], None]) -> None:
+        """Call `fn(slot)` once `at_least` bytes are in place (now, if they already are)."""
+        with self._cond:
+            if self.filled < at_least:
+                self._thresholds.append((at_least, fn))
+                return
+        fn(self)
+
+    def wait_filled(self, at_least: int, timeout: float | None = None,
+                    cancelled: Callable[[], bool] | None = None) -> int:
+        """Block until `at_least` bytes are in place; return the watermark.
+
+        Raises TransferError when the slot fails, when `cancelled()` turns true, or on timeout.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self.filled < at_least:
+                if self.error is not None:
+                    raise TransferError(f"block {self.block_id}: {self.error}") from self.error
+                if cancelled is not None and cancelled():
+                    raise TransferError(f"block {self.block_id}: operation cancelled")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TransferError(f"block {self.block_id}: no bytes for {timeout:.1f}s "
+                                        f"({self.filled}/{self.nbytes} in place)")
+                self._cond.wait(0.2 if left is None else min(left, 0.2))
+            return self.filled
+
+
+MessageHandler = Callable[[str, bytes], None]  # (sender node id, payload)
+ABORT_CHANNEL = "layercast.abort"  # reserved: a sender gives up on an operation; its receivers fail it at once
+GRANT_CHANNEL = "layercast.grant"  # reserved: a receiver is ready for a block (receiver-driven flow control)
+RESERVED_CHANNELS = (ABORT_CHANNEL, GRANT_CHANNEL)
+
+
+class Transport(ABC):
+    """Moves block bytes and small messages between worker data planes.
+
+    Nodes are named by id; callers pass the address a peer's transport listens on.
+    Bulk sends stream a slot as it fills; small messages travel on connections
+    (or queues) of their own so they never wait behind bulk bytes.
+
+    The base class keeps what every transport shares: which (operation, block)
+    is expected from which peer into which slot, and message dispatch.
+    """
+
+    def __init__(self, node_id: str):
+        self.node_id = node_id
+        self._expected: dict[tuple[str, int], tuple[str, BlockSlot]] = {}
+        self._expected_changed = threading.Condition()
+        self._handlers: dict[str, MessageHandler] = {ABORT_CHANNEL: self._on_abort, GRANT_CHANNEL: self._on_grant}
+        self._grants: set[tuple[str, int, str]] = set()  # (op, block, receiver) a receiver is ready for
+        self._grants_changed = threading.Condition()
+        self._forgotten: OrderedDict[str, None] = OrderedDict()  # recent finished ops: late bytes are dropped
+
+    @property
+    @abstractmethod
+    def address(self) -> str:
+        """Where peers reach this node ("host:port" for TCP)."""
+
+    @abstractmethod
+    def send_block(self, peer: str, address: str, op_id: str, slot: BlockSlot, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                   cancelled: Callable[[], bool] | None = None, stall_timeout_s: float = 30.0,
+                   wait_grant: bool = False) -> None:
+        """Send all of `slot` to node `peer` at `address`, chunk by chunk as the slot fills.
+
+        With `wait_grant`, the first byte goes out only once the receiver has granted the
+        block (see :meth:`grant`). Returns once every byte has been handed to the link (TCP)
+        or written/read (RDMA); raises TransferError if the peer is lost, the slot fails or
+        `cancelled()` turns true.
+        """
+
+    @abstractmethod
+    def send_message(self, peer: str, address: str, channel: str, payload: bytes) -> None:
+        """Send a small latency-sensitive message (e.g. a pipeline activation)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close every connection and the listener; pending receives fail."""
+
+    # --- receive registrations (shared) -------------------------------------------------------
+    def expect(self, op_id: str, block_id: int, src: str, slot: BlockSlot) -> None:
+        """Register that `src` will send `block_id` of operation `op_id` into `slot`."""
+        with self._expected_changed:
+            key = (op_id, block_id)
+            if key in self._expected:
+                raise ValueError(f"op {op_id}: block {block_id} is already expected")
+            self._expected[key] = (src, slot)
+            self._expected_changed.notify_all()
+
+    def forget(self, op_id: str) -> None:
+        """Drop an operation's registrations (it finished or failed); late bytes for it are refused."""
+        with self._grants_changed:
+            self._grants = {g for g in self._grants if g[0] != op_id}
+            self._grants_changed.notify_all()
+        with self._expected_changed:
+            for key in [k for k in self._expected if k[0] == op_id]:
+                del self._expected[key]
+            self._forgotten[op_id] = None
+            while len(self._forgotten) > FORGOTTEN_OPS_KEPT:
+                self._forgotten.popitem(last=False)
+            self._expected_changed.notify_all()
+
+    def expected_slot(self, op_id: str, block_id: int, src: str, wait_s: float) -> BlockSlot | None:
+        """The slot registered for bytes `src` sends, or None for an operation that already ended here.
+
+        Waits a little for a plan that is still arriving: a sender may start before its
+        receiver has registered (plans reach workers in any order); TCP back-pressure
+        holds the bytes meanwhile.
+        """
+        deadline = time.monotonic() + wait_s
+        with self._expected_changed:
+            while (op_id, block_id) not in self._expected:
+                if op_id in self._forgotten:
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferError(f"{self.node_id}: bytes from {src} for op {op_id} block {block_id}, "
+                                        f"which this node does not expect")
+                self._expected_changed.wait(min(left, 0.5))
+            want_src, slot = self._expected[(op_id, block_id)]
+        if want_src != src:
+            raise TransferError(f"{self.node_id}: op {op_id} block {block_id} expected from {want_src}, "
+                                f"arrived from {src}")
+        return slot
+
+    def fail_from(self, src: str, error: BaseException, op_id: str | None = None) -> None:
+        """Fail every incomplete block expected from `src` (of one operation, or of all)."""
+        with self._expected_changed:
+            slots = [slot for (op, _), (s, slot) in self._expected.items()
+                     if s == src and (op_id is None or op == op_id)]
+        for slot in slots:
+            slot.fail(error)
+
+    def fail_all(self, error: BaseException) -> None:
+        with self._expected_changed:
+            slots = [slot for _, slot in self._expected.values()]
+        for slot in slots:
+            slot.fail(error)
+
+    # --- small messages (shared dispatch) -----------------------------------------------------------
+    def on_message(self, channel: str, handler: MessageHandler) -> None:
+        """Deliver messages arriving on `channel` to `handler` (called on a transport thread)."""
+        if channel in RESERVED_CHANNELS:
+            raise ValueError(f"channel {channel!r} is reserved")
+        self._handlers[channel] = handler
+
+    def dispatch(self, src: str, channel: str, payload: bytes) -> None:
+        handler = self._handlers.get(channel)
+        if handler is None:
+            log.warning("%s: message on unknown channel %r from %s dropped", self.node_id, channel, src)
+            return
+        try:
+            handler(src, payload)
+        except Exception:
+            log.exception("%s: handler of channel %r failed", self.node_id, channel)
+
+    def abort(self, peer: str, address: str, op_id: str, reason: str) -> None:
+        """Tell `peer` this node will send nothing more for `op_id`: it fails the op now, not at a stall timeout."""
+        self.send_message(peer, address, ABORT_CHANNEL, json.dumps({"op_id": op_id, "reason": reason}).encode())
+
+    # --- receiver-driven flow control ------------------------------------------------------------------
+    def grant(self, peer: str, address: str, op_id: str, block_id: int) -> None:
+        """Tell sender `peer` this node is ready to take `block_id` of `op_id` now.
+
+        As in RDMC's receiver-ready handshake: each node takes in one block at a time, in
+        schedule order, so a sender that runs ahead waits instead of sharing the
+        receiver's download link with the block the receiver needs first.
+        """
+        self.send_message(peer, address, GRANT_CHANNEL, json.dumps({"op_id": op_id, "block": block_id}).encode())
+
+    def _on_grant(self, src: str, payload: bytes) -> None:
+        try:
+            msg = json.loads(payload)
+            key = (str(msg["op_id"]), int(msg["block"]), src)
+        except (ValueError, KeyError, TypeError):
+            log.warning("%s: malformed grant from %s dropped", self.node_id, src)
+            return
+        with self._grants_changed:
+            self._grants.add(key)
+            self._grants_changed.notify_all()
+
+    def wait_granted(self, peer: str, op_id: str, block_id: int, timeout: float,
+                     cancelled: Callable[[], bool] | None = None) -> None:
+        """Block until `peer` has granted `block_id` of `op_id` (consumes the grant)."""
+        key = (op_id, block_id, peer)
+        deadline = time.monotonic() + timeout
+        with self._grants_changed:
+            while key not in self._grants:
+                if cancelled is not None and cancelled():
+                    raise TransferError(f"op {op_id}: cancelled while waiting for {peer} to take block {block_id}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferError(f"op {op_id}: {peer} did not ask for block {block_id} within {timeout:.0f}s")
+                self._grants_changed.wait(min(left, 0.2))
+            self._grants.discard(key)
+
+    def _on_abort(self, src: str, payload: bytes) -> None:
+        try:
+            msg = json.loads(payload)
+            op_id, reason = str(msg["op_id"]), str(msg["reason"])
+        except (ValueError, KeyError, TypeError):
+            log.warning("%s: malformed abort from %s dropped", self.node_id, src)
+            return
+        self.fail_from(src, TransferError(f"{src} aborted op {op_id}: {reason}"), op_id)
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,459 @@
+"""Emulate a small cluster on one Linux machine: one network namespace per node,
+all joined by a Linux bridge, each node's link rate-capped with tc (both
+directions) and, optionally, its CPU capped with a cgroup v1 quota.
+
+    with EmulatedCluster(3, link_mbit=100, cpu_quota=0.5) as cluster:
+        proc = cluster.popen(0, [sys.executable, "-m", "worker", "--bind", cluster.nodes[0].ip])
+
+Layout for prefix P (every name starts with P so `cleanup_stale(P)` finds it):
+
+    root netns:  bridge Pbr (host_ip)  <- Ph<i> (veth, tbf = node i's download)
+    netns Pn<i>: lo, Pv<i> (veth peer, node ip, tbf = node i's upload)
+    cgroup:      /sys/fs/cgroup/cpu/Pn<i> (only with cpu_quota)
+
+Needs root, iproute2 (`ip`, `tc`) and, for CPU caps, cgroup v1's cpu controller.
+Nothing is routed or NATed out of the subnet: nodes get no default route and
+forwarding is left as it is, so emulated traffic can never leave the machine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import ipaddress
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CPU_CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
+CFS_PERIOD_US = 100_000
+# Ownership markers /run/layercast-emu-<prefix>.owner ("<pid> <starttime>") so
+# cleanup_stale() can tell a crashed run's leftovers from a cluster another live
+# process is using right now. /run is a tmpfs: markers do not outlive a reboot.
+MARKER_DIR = Path("/run")
+MARKER_GLOB = "layercast-emu-*.owner"
+IFNAMSIZ = 15  # longest Linux interface name
+# tbf parameters (see _tbf_args for the reasoning).
+TBF_LATENCY_MS = 50
+TBF_BURST_S = 0.004
+GSO_MAX_BYTES = 65536 + 256
+
+
+class EmulationError(RuntimeError):
+    """A command failed; the message carries the command line and its stderr."""
+
+
+@dataclass(frozen=True)
+class EmulatedNode:
+    index: int
+    netns: str          # network namespace name
+    ip: str             # the node's address on the bridge
+    cgroup: str | None  # cgroup v1 cpu group path if a CPU quota is set
+
+
+def _run(cmd: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    log.debug("run: %s", shlex.join(cmd))
+    try:
+        return subprocess.run(cmd, check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as e:
+        if not check:
+            log.debug("ignored failure (rc=%s) of %s: %s", e.returncode, shlex.join(cmd), e.stderr.strip())
+            return subprocess.CompletedProcess(cmd, e.returncode, e.stdout, e.stderr)
+        raise EmulationError(f"command failed (rc={e.returncode}): {shlex.join(cmd)}: {e.stderr.strip()}") from None
+    except FileNotFoundError as e:
+        if not check:
+            return subprocess.CompletedProcess(cmd, 127, "", str(e))
+        raise EmulationError(f"command not found: {shlex.join(cmd)}: {e}") from None
+
+
+def _tbf_args(link_mbit: float, mtu: int) -> list[str]:
+    """tbf parameters for one direction of a node's link.
+
+    burst: tbf drops any frame larger than the bucket, so it holds at least
+    two full frames (MTU 9000 + Ethernet header). TCP over veth hands tbf GSO
+    super-packets of up to 64 KiB; tbf splits those in software when they do
+    not fit, so the bucket holds one whole. At high rates it holds 4 ms of
+    traffic: tokens that would overflow the bucket while the qdisc watchdog
+    timer fires late (busy machine) are lost, which would undershoot the rate.
+    A full bucket at the start lets one burst through unshaped: ~1% of a
+    multi-MB transfer.
+
+    latency (queue limit = rate * 50 ms + burst): on the bridge-side veth the
+    packets come from another namespace, so TCP Small Queues no longer hold the
+    sender back and overflow is a tail drop. 50 ms is several times the BDP of
+    an emulated LAN (sub-ms RTT), enough for TCP to keep the link busy through
+    a loss, while bounding queueing delay like a switch buffer would.
+    """
+    rate_bytes = link_mbit * 1e6 / 8
+    burst = int(max(2 * (mtu + 14), GSO_MAX_BYTES, rate_bytes * TBF_BURST_S))
+    return ["tbf", "rate", f"{int(link_mbit * 1e6)}bit", "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"]
+
+
+def _used_networks() -> list[ipaddress.IPv4Network]:
+    """Destinations of every IPv4 route on the machine (all tables, default excluded)."""
+    out = _run(["ip", "-4", "route", "show", "table", "all"]).stdout
+    nets = []
+    for line in out.splitlines():
+        words = line.split()
+        if words and words[0] in ("local", "broadcast", "unicast", "anycast", "multicast", "blackhole",
+                                   "unreachable", "prohibit", "throw", "nat"):
+            words = words[1:]
+        if not words or words[0] == "default":
+            continue
+        try:
+            nets.append(ipaddress.ip_network(words[0], strict=False))
+        except ValueError:
+            continue
+    return nets
+
+
+def _pick_subnet(prefix: str) -> ipaddress.IPv4Network:
+    """A free /24 in 10.64.0.0/11 derived from the prefix. That range avoids the
+    ranges docker/kubernetes like to use (10.0/16, 10.96/12, 10.244/16)."""
+    used = _used_networks()
+    h = int(hashlib.sha256(prefix.encode()).hexdigest(), 16)
+    count = 32 * 256
+    for k in range(count):
+        idx = (h + k) % count
+        net = ipaddress.ip_network(f"10.{64 + idx // 256}.{idx % 256}.0/24")
+        if not any(net.overlaps(u) for u in used):
+            return net
+    raise EmulationError("no free /24 left in 10.64.0.0/11")
+
+
+def _proc_starttime(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22: start time since boot
+
+
+def _live_prefixes() -> set[str]:
+    """Prefixes of clusters whose owning process still runs."""
+    live = set()
+    for marker in MARKER_DIR.glob(MARKER_GLOB):
+        try:
+            pid, start = marker.read_text().split()
+        except (OSError, ValueError):
+            continue
+        if _proc_starttime(int(pid)) == start:
+            live.add(_marker_prefix(marker))
+    return live
+
+
+def _marker(prefix: str) -> Path:
+    return MARKER_DIR / MARKER_GLOB.replace("*", prefix)
+
+
+def _marker_prefix(marker: Path) -> str:
+    return marker.name.removeprefix("layercast-emu-").removesuffix(".owner")
+
+
+def _kill_pids(pids: list[int]) -> None:
+    for pid in pids:
+        if pid == os.getpid():
+            continue  # never ourselves, whatever netns/cgroup we sit in
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _netns_pids(netns: str) -> list[int]:
+    return [int(p) for p in _run(["ip", "netns", "pids", netns], check=False).stdout.split()]
+
+
+def _cgroup_pids(path: Path) -> list[int]:
+    try:
+        return [int(p) for p in (path / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+
+
+def _remove_cgroup(path: Path) -> bool:
+    """Kill whatever still runs in the group, then rmdir it (retrying while the
+    killed tasks finish exiting, during which the kernel answers EBUSY)."""
+    if not path.exists():
+        return False
+    _kill_pids(_cgroup_pids(path))
+    deadline = time.monotonic() + 3
+    while True:
+        try:
+            path.rmdir()
+            log.debug("removed cgroup %s", path)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            if time.monotonic() > deadline:
+                log.warning("could not remove cgroup %s: %s", path, e)
+                return False
+            _kill_pids(_cgroup_pids(path))
+            time.sleep(0.02)
+
+
+def _delete_netns(netns: str) -> bool:
+    # Processes left in the namespace would keep it (and its veth end) alive.
+    _kill_pids(_netns_pids(netns))
+    return _run(["ip", "netns", "del", netns], check=False).returncode == 0
+
+
+class EmulatedCluster:
+    def __init__(self, n_nodes: int, link_mbit: float | None = None, *, cpu_quota: float | None = None,
+                 mtu: int = 9000, prefix: str | None = None, subnet: str | None = None) -> None:
+        if n_nodes < 1:
+            raise ValueError("n_nodes must be >= 1")
+        if link_mbit is not None and link_mbit <= 0:
+            raise ValueError("link_mbit must be > 0 or None")
+        if cpu_quota is not None and cpu_quota <= 0:
+            raise ValueError("cpu_quota must be > 0 or None")
+        if not 68 <= mtu <= 65535:
+            raise ValueError("mtu must be in 68..65535")
+        self.prefix = prefix or "lc" + uuid.uuid4().hex[:4]
+        if not re.fullmatch(r"[a-z][a-z0-9]{1,11}", self.prefix):
+            raise ValueError(f"prefix {self.prefix!r}: 2-12 lowercase letters/digits, starting with a letter")
+        if len(self.prefix) + 1 + len(str(n_nodes - 1)) > IFNAMSIZ:
+            raise ValueError(f"prefix {self.prefix!r} too long for {n_nodes} nodes' interface names")
+        self.n_nodes = n_nodes
+        self.link_mbit = link_mbit
+        self.cpu_quota = cpu_quota
+        self.mtu = mtu
+        self.bridge = f"{self.prefix}br"
+
+        net = ipaddress.ip_network(subnet) if subnet else _pick_subnet(self.prefix)
+        if not isinstance(net, ipaddress.IPv4Network) or not net.subnet_of(ipaddress.ip_network("10.0.0.0/8")):
+            raise ValueError(f"subnet {subnet} must be an IPv4 network inside 10.0.0.0/8")
+        if net.num_addresses - 2 < n_nodes + 1:
+            raise ValueError(f"subnet {net} has no room for {n_nodes} nodes and the host")
+        self.subnet = net
+        hosts = net.hosts()
+        self.host_ip = str(next(hosts))
+        self.nodes: list[EmulatedNode] = []
+        for i in range(n_nodes):
+            cgroup = str(CPU_CGROUP_ROOT / f"{self.prefix}n{i}") if cpu_quota is not None else None
+            self.nodes.append(EmulatedNode(i, f"{self.prefix}n{i}", str(next(hosts)), cgroup))
+
+        # What start() actually created, in order, so close() undoes exactly
+        # that (and never something of the same name it did not make).
+        self._made: list[tuple[str, str, str | None]] = []
+        self._children: list[subprocess.Popen] = []
+        self._started = False
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def start(self) -> EmulatedCluster:
+        if self._started:
+            return self
+        self._started = True
+        atexit.register(self.close)  # a crashed test run still cleans up
+        try:
+            self._create()
+        except BaseException:
+            log.debug("start of %s failed; undoing what was made", self.prefix)
+            self.close()
+            raise
+        log.debug("cluster %s up: %d nodes on %s, %s Mbit/s, cpu %s", self.prefix, self.n_nodes, self.subnet,
+                  self.link_mbit, self.cpu_quota)
+        return self
+
+    def _create(self) -> None:
+        if self.cpu_quota is not None and not (CPU_CGROUP_ROOT / "cpu.cfs_quota_us").exists():
+            raise EmulationError(f"cpu_quota needs cgroup v1's cpu controller at {CPU_CGROUP_ROOT}")
+        if any(self.subnet.overlaps(u) for u in _used_networks()):
+            raise EmulationError(f"subnet {self.subnet} overlaps an existing route")
+
+        marker = _marker(self.prefix)
+        marker.write_text(f"{os.getpid()} {_proc_starttime(os.getpid())}\n")
+        self._made.append(("marker", str(marker), None))
+
+        plen = self.subnet.prefixlen
+        _run(["ip", "link", "add", "name", self.bridge, "type", "bridge", "forward_delay", "0"])
+        self._made.append(("link", self.bridge, None))
+        _run(["ip", "link", "set", self.bridge, "mtu", str(self.mtu)])
+        _run(["ip", "addr", "add", f"{self.host_ip}/{plen}", "dev", self.bridge])
+        _run(["ip", "link", "set", self.bridge, "up"])
+
+        for node in self.nodes:
+            host_if, node_if = f"{self.prefix}h{node.index}", f"{self.prefix}v{node.index}"
+            _run(["ip", "netns", "add", node.netns])
+            self._made.append(("netns", node.netns, None))
+            _run(["ip", "-n", node.netns, "link", "set", "lo", "up"])
+            # Datacenter tuning: a connection idle for a step of a multicast schedule keeps its
+            # congestion window (Linux otherwise restarts slow start after an RTO of idleness).
+            _run(["ip", "netns", "exec", node.netns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"])
+            # The peer is created straight inside the netns: no moment where a
+            # half-configured interface sits in the root namespace.
+            _run(["ip", "link", "add", host_if, "mtu", str(self.mtu), "type", "veth",
+                  "peer", "name", node_if, "mtu", str(self.mtu), "netns", node.netns])
+            self._made.append(("link", host_if, None))
+            _run(["ip", "link", "set", host_if, "master", self.bridge, "up"])
+            _run(["ip", "-n", node.netns, "addr", "add", f"{node.ip}/{plen}", "dev", node_if])
+            _run(["ip", "-n", node.netns, "link", "set", node_if, "up"])
+            if self.link_mbit is not None:
+                tbf = _tbf_args(self.link_mbit, self.mtu)
+                # Upload: egress of the node's own end. Download: egress of the
+                # bridge port towards the node (where the bridge delivers to it).
+                _run(["tc", "-n", node.netns, "qdisc", "add", "dev", node_if, "root", *tbf])
+                self._made.append(("qdisc", node_if, node.netns))
+                _run(["tc", "qdisc", "add", "dev", host_if, "root", *tbf])
+                self._made.append(("qdisc", host_if, None))
+            if node.cgroup is not None:
+                cg = Path(node.cgroup)
+                cg.mkdir()
+                self._made.append(("cgroup", node.cgroup, None))
+                (cg / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+                # The kernel refuses quotas under 1 ms.
+                (cg / "cpu.cfs_quota_us").write_text(str(max(1000, round(self.cpu_quota * CFS_PERIOD_US))))
+        # The bridge keeps the MTU we set even as ports join (kernel >= 4.17);
+        # re-set it in case an older kernel lowered it to a port's.
+        _run(["ip", "link", "set", self.bridge, "mtu", str(self.mtu)])
+
+    def close(self) -> None:
+        """Undo start(). Safe to call twice, after a failed start, or when things
+        already vanished; problems are logged, never raised."""
+        if not self._started:
+            return
+        self._started = False
+        atexit.unregister(self.close)
+        self._stop_children()
+        while self._made:
+            kind, name, netns = self._made.pop()
+            try:
+                if kind == "qdisc":
+                    _run(["tc", *(["-n", netns] if netns else []), "qdisc", "del", "dev", name, "root"], check=False)
+                elif kind == "link":
+                    _run(["ip", "link", "del", name], check=False)  # a veth takes its peer along
+                elif kind == "netns":
+                    _delete_netns(name)
+                elif kind == "cgroup":
+                    _remove_cgroup(Path(name))
+                elif kind == "marker":
+                    Path(name).unlink(missing_ok=True)
+            except Exception:  # noqa: BLE001 - keep undoing the rest
+                log.warning("cleanup of %s %s failed", kind, name, exc_info=True)
+        log.debug("cluster %s closed", self.prefix)
+
+    def _stop_children(self) -> None:
+        """SIGTERM each child's process group, SIGKILL what is left after 2 s."""
+        live = [p for p in self._children if p.poll() is None]
+        for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)):
+            for p in live:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + grace
+            for p in live:
+                try:
+                    p.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            live = [p for p in live if p.poll() is None]
+            if not live:
+                break
+        for p in live:
+            log.warning("child %d survived SIGKILL", p.pid)
+        self._children.clear()
+
+    def __enter__(self) -> EmulatedCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- running things in nodes -------------------------------------------
+
+    def popen(self, index: int, argv: list[str], **popen_kwargs: Any) -> subprocess.Popen:
+        """Start argv inside node `index`: its netns and, with a quota, its cgroup.
+
+        The shell joins the cgroup and then execs, so the quota applies from the
+        first instruction of `ip netns exec` and argv. The cgroup is joined
+        before `ip netns exec` because that remounts /sys, hiding
+        /sys/fs/cgroup from the command it runs. The child leads a new process
+        group, which close() kills.
+        """
+        if not self._started:
+            raise EmulationError("cluster not started")
+        node = self.nodes[index]
+        cmd = ["ip", "netns", "exec", node.netns, *argv]
+        if node.cgroup is not None:
+            procs = str(Path(node.cgroup) / "cgroup.procs")
+            cmd = ["sh", "-c", 'echo $$ > "$1" && shift && exec "$@"', "sh", procs, *cmd]
+        popen_kwargs.setdefault("start_new_session", True)
+        log.debug("node %d: %s", index, shlex.join(argv))
+        proc = subprocess.Popen(cmd, **popen_kwargs)
+        self._children.append(proc)
+        return proc
+
+
+def cleanup_stale(prefix: str = "lc") -> list[str]:
+    """Remove network namespaces, root-namespace links and cpu cgroups whose
+    names start with `prefix`, left behind by runs that crashed. Clusters whose
+    owning process is still alive are left alone. Returns what was removed."""
+    if len(prefix) < 2:
+        raise ValueError("prefix too short to be safe")
+    live = _live_prefixes()
+
+    def stale(name: str) -> bool:
+        return name.startswith(prefix) and not any(name.startswith(p) for p in live)
+
+    removed: list[str] = []
+    for line in _run(["ip", "netns", "list"], check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if stale(name) and _delete_netns(name):
+            removed.append(f"netns {name}")
+    for line in _run(["ip", "-o", "link", "show"], check=False).stdout.splitlines():
+        # "7: lc12h0@if6: <...>" -> lc12h0
+        parts = line.split(":", 2)
+        name = parts[1].strip().split("@")[0] if len(parts) > 2 else ""
+        if stale(name) and _run(["ip", "link", "del", name], check=False).returncode == 0:
+            removed.append(f"link {name}")
+    if CPU_CGROUP_ROOT.is_dir():
+        for path in sorted(CPU_CGROUP_ROOT.iterdir()):
+            if path.is_dir() and stale(path.name) and _remove_cgroup(path):
+                removed.append(f"cgroup {path}")
+    for marker in MARKER_DIR.glob(MARKER_GLOB):
+        if stale(_marker_prefix(marker)):
+            marker.unlink(missing_ok=True)
+    for what in removed:
+        log.debug("removed stale %s", what)
+    return removed
+
+
+def can_emulate() -> tuple[bool, str]:
+    """Whether this machine can run an EmulatedCluster, and if not, why."""
+    if os.geteuid() != 0:
+        return False, "needs root (network namespaces, tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return False, f"`{tool}` (iproute2) not found"
+    # Try every kernel feature used, inside a throwaway namespace so nothing
+    # appears in the root namespace; its name avoids the "lc" prefix.
+    probe = f"layercast-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        _run(["ip", "netns", "add", probe])
+    except EmulationError as e:
+        return False, f"cannot create a network namespace: {e}"
+    try:
+        for cmd in (["ip", "-n", probe, "link", "add", "b0", "type", "bridge"],
+                    ["ip", "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
+                    ["ip", "-n", probe, "link", "set", "v0", "master", "b0"],
+                    ["tc", "-n", probe, "qdisc", "add", "dev", "v0", "root", *_tbf_args(100, 9000)]):
+            _run(cmd)
+    except EmulationError as e:
+        return False, f"missing kernel support: {e}"
+    finally:
+        _delete_netns(probe)
+    return True, "ok"
