@@ -8,6 +8,7 @@ sharing one server never see each other's messages.
 """
 
 import os
+import time
 import uuid
 from contextlib import contextmanager
 
@@ -85,3 +86,14 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     out = root / "blocks"
     convert_checkpoint(hf, out, 2)
     return out
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll `predicate` until it returns something truthy (returned); fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")

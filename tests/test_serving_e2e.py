@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from libs.checkpoint import CheckpointIndex
 from services.cli.app import deploy_model
 from services.cli.cluster import ClusterSpec, free_port, start_cluster, stop_processes
-from conftest import fresh_database
+from conftest import fresh_database, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -61,15 +61,6 @@ def instances(cluster, model: str, state: str | None = "ready") -> list[dict]:
     described = admin(cluster).get(f"/admin/v1/models/{model}").json()
     return [i for i in described["instances"] if state is None or i["state"] == state]
 
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:

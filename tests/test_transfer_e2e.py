@@ -23,7 +23,7 @@ from libs.transfer.tcp import TcpTransport
 from services.cli.app import deploy_model
 from services.cli.bench_multicast import ALGORITHMS, run_multicast_benchmark
 from services.cli.cluster import ClusterSpec, free_port, start_cluster, stop_processes
-from conftest import fresh_database
+from conftest import fresh_database, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -49,15 +49,6 @@ def cluster_view(cluster) -> dict:
     with httpx.Client(base_url=cluster.gateway_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as c:
         return c.get("/admin/v1/cluster").json()
 
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def serving_worker(cluster) -> str:

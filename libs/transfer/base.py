@@ -194,7 +194,6 @@ class Transport(ABC):
     def address(self) -> str:
         """Where peers reach this node ("host:port" for TCP)."""
 
-    @abstractmethod
     def send_block(self, peer: str, address: str, op_id: str, slot: BlockSlot, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                    cancelled: Callable[[], bool] | None = None, stall_timeout_s: float = 30.0,
                    wait_grant: bool = False) -> None:
@@ -205,6 +204,16 @@ class Transport(ABC):
         or written/read (RDMA); raises TransferError if the peer is lost, the slot fails or
         `cancelled()` turns true.
         """
+        if chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be positive")
+        if wait_grant:
+            self.wait_granted(peer, op_id, slot.block_id, stall_timeout_s, cancelled)
+        self._stream_block(peer, address, op_id, slot, chunk_bytes, cancelled, stall_timeout_s)
+
+    @abstractmethod
+    def _stream_block(self, peer: str, address: str, op_id: str, slot: BlockSlot, chunk_bytes: int,
+                      cancelled: Callable[[], bool] | None, stall_timeout_s: float) -> None:
+        """The transport's part of send_block: move the slot's bytes as they fill."""
 
     @abstractmethod
     def send_message(self, peer: str, address: str, channel: str, payload: bytes) -> None:

@@ -77,7 +77,7 @@ from typing import Any
 
 import numpy as np
 
-from libs.transfer.base import DEFAULT_CHUNK_BYTES, BlockSlot, Transport, TransferError
+from libs.transfer.base import BlockSlot, Transport, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -955,14 +955,9 @@ class RdmaTransport(Transport):
             self._work.put(("send", p.conn, make_control("refuse", op=op, block=block,
                                                           reason="the receiver dropped this operation")))
 
-    def send_block(self, peer: str, address: str, op_id: str, slot: BlockSlot, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                   cancelled: Callable[[], bool] | None = None, stall_timeout_s: float = 30.0,
-                   wait_grant: bool = False) -> None:
-        """Send `slot` to `peer` (WRITE or READ mode); `address` is not needed: peers are reached by id."""
-        if chunk_bytes <= 0:
-            raise ValueError("chunk_bytes must be positive")
-        if wait_grant:
-            self.wait_granted(peer, op_id, slot.block_id, stall_timeout_s, cancelled)
+    def _stream_block(self, peer: str, address: str, op_id: str, slot: BlockSlot, chunk_bytes: int,
+                      cancelled: Callable[[], bool] | None, stall_timeout_s: float) -> None:
+        """WRITE or READ mode; `address` is not needed: peers are reached by id."""
         if slot.nbytes == 0:
             return  # the receiver's empty slot is complete already
         conn = self._connect(peer)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from libs.transfer import frames as f
-from libs.transfer.base import DEFAULT_CHUNK_BYTES, BlockSlot, Transport, TransferError
+from libs.transfer.base import BlockSlot, Transport, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -186,13 +186,8 @@ class TcpTransport(Transport):
             self._drop(address, conn_class, conn)
             raise TransferError(f"{self.node_id}: sending to {peer} at {address} failed: {e}") from e
 
-    def send_block(self, peer: str, address: str, op_id: str, slot: BlockSlot, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                   cancelled: Callable[[], bool] | None = None, stall_timeout_s: float = 30.0,
-                   wait_grant: bool = False) -> None:
-        if chunk_bytes <= 0:
-            raise ValueError("chunk_bytes must be positive")
-        if wait_grant:
-            self.wait_granted(peer, op_id, slot.block_id, stall_timeout_s, cancelled)
+    def _stream_block(self, peer: str, address: str, op_id: str, slot: BlockSlot, chunk_bytes: int,
+                      cancelled: Callable[[], bool] | None, stall_timeout_s: float) -> None:
         offset = 0
         while offset < slot.nbytes:
             # Cut-through: send what is in place now (up to a chunk) rather than waiting for a full chunk.
