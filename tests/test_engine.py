@@ -280,20 +280,21 @@ def test_cancel(engine):
 
 
 def test_admission(block_dir, engine):
-    small = Engine.from_checkpoint(block_dir, max_batch_size=2, max_seq_len=32)
+    small = Engine.from_checkpoint(block_dir, max_batch_size=2, max_seq_len=32, max_queue=1)
     with pytest.raises(AdmissionError, match="max_seq_len"):
         small.add_request("long", list(range(1, 30)), SamplingParams(max_tokens=4))
     small.add_request("ok", list(range(1, 29)), SamplingParams(max_tokens=4))  # exactly 32
     small.add_request("ok2", [1], SamplingParams(max_tokens=4))
+    small.add_request("queued", [1], SamplingParams(max_tokens=4))  # waits for a KV slot
     with pytest.raises(AdmissionError, match="full"):
-        small.add_request("third", [1], SamplingParams(max_tokens=4))
+        small.add_request("fourth", [1], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="already"):
         small.add_request("ok", [1], SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("e", [], SamplingParams())
     with pytest.raises(ValueError, match="out of range"):
         engine.add_request("v", [1, 10_000], SamplingParams())
-    assert set(drain(small)) == {"ok", "ok2"}
+    assert set(drain(small)) == {"ok", "ok2", "queued"}
     assert not engine.has_work()
 
 

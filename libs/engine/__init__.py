@@ -1,13 +1,19 @@
 """Layer-range execution over block buffers, KV caches, sampling, and a local serving engine."""
 
-from .engine import AdmissionError, Engine, TokenOutput
+from .engine import AdmissionError, Engine, TokenOutput, checkpoint_eos_ids, local_stages
 from .model import SUPPORTED_MODEL_TYPES, LayerRange, hf_config
 from .sampling import SamplingParams, make_generator, sample_token
+from .stages import LocalStage, RemoteStage, StageServer
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "AdmissionError",
     "Engine",
+    "LocalStage",
+    "RemoteStage",
+    "StageServer",
+    "checkpoint_eos_ids",
+    "local_stages",
     "LayerRange",
     "SamplingParams",
     "TokenOutput",

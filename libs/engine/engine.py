@@ -1,7 +1,25 @@
-"""A full local model instance (all blocks) that serves requests step by step.
+"""A serving engine over one model: continuous batching on a pre-allocated KV cache, any split into stages.
 
-This first version runs requests one at a time inside step() (each with its own KV cache);
-continuous batching will replace the loop behind the same add_request / cancel / step API.
+Iteration-level scheduling (Orca): requests join and leave between steps. Each
+step decodes one token for every running request in one batched forward pass,
+then spends what is left of the step's token budget on prefill chunks of
+requests being admitted (a long prompt is prefilled over several steps, so it
+never stalls the decodes). Every request holds one slot of each stage's KV
+cache (kv.py) from admission to its end; when none is free, requests wait in a
+bounded queue, and beyond it are refused with AdmissionError: never an
+out-of-memory error mid-generation.
+
+The model runs as a chain of stages, each a contiguous layer range with its own
+KV cache (the KV for a request lives with the stage that computed it): one
+stage for a local instance, several for a pipeline. A stage may be local or
+remote (stages.py: activations over the data plane's message channel). The
+engine sits with the first stage and samples from the last stage's logits.
+
+KV recompute: a request can join with tokens it already generated elsewhere
+(`generated_ids`); one prefill rebuilds its cache and decoding continues where
+it stopped (λScale §4.4 mode switch, ServerlessLLM §5.2 live migration). With
+`hold=True` it stays paused after that prefill so the source can hand over the
+tokens it produced meanwhile (`catch_up`) before decoding moves (`release`).
 """
 
 from __future__ import annotations
@@ -9,24 +27,30 @@ from __future__ import annotations
 import json
 import operator
 import os
-from collections.abc import Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
-from transformers import DynamicCache
 
 from libs.checkpoint import CheckpointIndex, load_block
 
+from .kv import kv_bytes_per_slot
 from .model import BlockSource, LayerRange
 from .sampling import SamplingParams, make_generator, sample_token
+from .stages import LocalStage, Stage
 
 FinishReason = Literal["stop", "length"]
 
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_TOKEN_BUDGET = 2048  # tokens per step: decodes first, prefill chunks with the rest
+DEFAULT_PREFILL_CHUNK = 512
+
 
 class AdmissionError(Exception):
-    """The engine cannot take this request (too long for max_seq_len, or no free slot)."""
+    """The engine cannot take this request: too long for max_seq_len, or the KV slots and queue are full."""
 
 
 @dataclass(frozen=True)
@@ -46,8 +70,10 @@ class _Request:
     params: SamplingParams
     generator: torch.Generator
     stop_ids: frozenset[int]
-    cache: DynamicCache | None = None
     output_ids: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)  # context tokens not yet in the KV cache
+    held: bool = False  # recomputed, waiting for release() before it decodes
+    started: bool = False  # holds KV slots
 
 
 def _as_id_list(value) -> list[int]:
@@ -60,105 +86,218 @@ class Engine:
     def __init__(
         self,
         index: CheckpointIndex,
-        blocks: Mapping[int, torch.Tensor] | BlockSource,
+        blocks: Mapping[int, torch.Tensor] | BlockSource | None = None,
         device: str | torch.device = "cpu",
         max_batch_size: int = 8,
         max_seq_len: int | None = None,
         eos_token_ids: Iterable[int] | None = None,
+        *,
+        stages: Sequence[Stage] | None = None,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        max_queue: int | None = None,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if token_budget < max_batch_size + 1 or prefill_chunk < 1:
+            raise ValueError("token_budget must exceed max_batch_size and prefill_chunk must be >= 1")
         self.index = index
         self.device = torch.device(device)
-        self.model = LayerRange(index, blocks, 0, index.n_blocks, device=self.device)
         self.vocab_size = int(index.config["vocab_size"])
-        self.max_batch_size = max_batch_size
         self.max_seq_len = int(max_seq_len or index.config.get("max_position_embeddings", 2048))
+        if stages is None:
+            if blocks is None:
+                raise ValueError("give the blocks (or the stages) to run")
+            model = LayerRange(index, blocks, 0, index.n_blocks, device=self.device)
+            per_slot = kv_bytes_per_slot(model.config, model.layer_end - model.layer_start, self.max_seq_len,
+                                         model.dtype)
+            slots = min(max_batch_size, kv_cache_bytes // per_slot)
+            if slots < 1:
+                raise ValueError(f"a KV budget of {kv_cache_bytes} bytes cannot hold one request of "
+                                 f"{self.max_seq_len} tokens ({per_slot} bytes)")
+            stages = [LocalStage(model, slots, self.max_seq_len)]
+        self.stages = list(stages)
+        self.max_batch_size = min(max_batch_size, *(st.slots for st in self.stages))
+        self.max_queue = 4 * self.max_batch_size if max_queue is None else max_queue
+        self.token_budget, self.prefill_chunk = token_budget, prefill_chunk
         if eos_token_ids is None:
             eos_token_ids = _as_id_list(index.config.get("eos_token_id"))
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._waiting: dict[str, _Request] = {}  # admitted, not yet prefilled (insertion order = FIFO)
-        self._running: dict[str, _Request] = {}
+        self._queue: OrderedDict[str, _Request] = OrderedDict()  # waiting for KV slots (FIFO)
+        self._active: OrderedDict[str, _Request] = OrderedDict()  # hold KV slots
+
+    @property
+    def model(self) -> LayerRange:
+        """The first local stage's layer range (the whole model for a local instance)."""
+        return next(st.model for st in self.stages if isinstance(st, LocalStage))
 
     @classmethod
-    def from_checkpoint(cls, ckpt_dir: str | os.PathLike, device: str | torch.device = "cpu", **kwargs) -> Engine:
-        """Load every block of the block checkpoint in ckpt_dir and build an engine over them."""
+    def from_checkpoint(cls, ckpt_dir: str | os.PathLike, device: str | torch.device = "cpu",
+                        splits: Sequence[int] = (), **kwargs) -> Engine:
+        """Load every block of the block checkpoint in ckpt_dir and build an engine over them.
+
+        `splits` (block ids) cut the model into local stages, e.g. (2,) runs blocks [0,2) and
+        [2,n) as a two-stage pipeline in this process.
+        """
         ckpt_dir = Path(ckpt_dir)
         index = CheckpointIndex.load(ckpt_dir)
         blocks = {b.id: load_block(ckpt_dir, index, b.id) for b in index.blocks}
-        if "eos_token_ids" not in kwargs:
-            # generation_config.json may list more end tokens than config.json (e.g. end of a chat turn).
-            eos = set(_as_id_list(index.config.get("eos_token_id")))
-            gen_path = ckpt_dir / "generation_config.json"
-            if gen_path.is_file():
-                eos |= set(_as_id_list(json.loads(gen_path.read_text()).get("eos_token_id")))
-            kwargs["eos_token_ids"] = eos
+        kwargs.setdefault("eos_token_ids", checkpoint_eos_ids(ckpt_dir, index))
+        if splits:
+            kwargs["stages"] = local_stages(index, blocks, splits, device, kwargs.get("max_batch_size", 8),
+                                            int(kwargs.get("max_seq_len") or index.config.get(
+                                                "max_position_embeddings", 2048)))
         return cls(index, blocks, device=device, **kwargs)
+
+    @classmethod
+    def live_pair(cls, index: CheckpointIndex, blocks: Mapping[int, torch.Tensor], target: Stage, split: int,
+                  device: str | torch.device = "cpu", max_batch_size: int = 8, max_seq_len: int | None = None,
+                  **kwargs) -> Engine:
+        """BlitzScale §5.2 live pair, on the overloaded source: the loading target runs blocks [0, split)
+        (`target`, usually a RemoteStage), this worker the rest over the blocks it already serves
+        (views: no extra weight memory; the pair's KV is its own)."""
+        if not 0 < split < index.n_blocks:
+            raise ValueError(f"a live pair splits inside the model: 0 < split < {index.n_blocks}, got {split}")
+        seq = int(max_seq_len or index.config.get("max_position_embeddings", 2048))
+        tail = LocalStage(LayerRange(index, blocks, split, index.n_blocks, device=device),
+                          min(max_batch_size, target.slots), seq)
+        return cls(index, device=device, max_batch_size=max_batch_size, max_seq_len=seq, stages=[target, tail],
+                   **kwargs)
 
     # -- request lifecycle ---------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self._waiting or request_id in self._running:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    generated_ids: Sequence[int] = (), hold: bool = False) -> None:
+        """Queue a request; `generated_ids`: tokens it already produced elsewhere (KV recompute)."""
+        if request_id in self._queue or request_id in self._active:
             raise ValueError(f"request {request_id!r} is already in the engine")
-        try:
-            prompt_ids = [operator.index(t) for t in prompt_ids]  # ints, numpy ints; not floats
-        except TypeError:
-            raise ValueError("prompt_ids must be integers") from None
+        prompt_ids = self._check_ids(prompt_ids, "prompt_ids")
+        generated = self._check_ids(generated_ids, "generated_ids", allow_empty=True)
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if hold and not generated:
+            raise ValueError("only a request that resumes (generated_ids) can be held")
+        if len(generated) >= params.max_tokens:
+            raise ValueError(f"{len(generated)} tokens already generated: nothing left of max_tokens "
+                             f"({params.max_tokens})")
         if len(prompt_ids) + params.max_tokens > self.max_seq_len:
             raise AdmissionError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds max_seq_len ({self.max_seq_len})"
             )
-        if self.num_requests >= self.max_batch_size:
-            raise AdmissionError(f"engine is full ({self.max_batch_size} requests)")
-        self._waiting[request_id] = _Request(
+        if self.num_requests >= self.max_batch_size + self.max_queue:
+            raise AdmissionError(f"engine is full ({self.max_batch_size} running, {len(self._queue)} queued)")
+        self._queue[request_id] = _Request(
             id=request_id,
             prompt_ids=prompt_ids,
             params=params,
             generator=make_generator(params, self.device),
             stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
+            output_ids=list(generated),
+            # The last generated token is fed by the first decode step, as if it had just been sampled.
+            pending=prompt_ids + list(generated[:-1]),
+            held=hold,
         )
 
+    def _check_ids(self, ids: Sequence[int], what: str, allow_empty: bool = False) -> list[int]:
+        try:
+            ids = [operator.index(t) for t in ids]  # ints, numpy ints; not floats
+        except TypeError:
+            raise ValueError(f"{what} must be integers") from None
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what}: token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        return ids
+
+    def catch_up(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Append tokens a held request's source generated meanwhile (second stage of the catch-up)."""
+        req = self._active.get(request_id) or self._queue.get(request_id)
+        if req is None or not req.held:
+            raise ValueError(f"request {request_id!r} is not held in this engine")
+        ids = self._check_ids(token_ids, "token_ids", allow_empty=True)
+        if len(req.output_ids) + len(ids) >= req.params.max_tokens:
+            raise ValueError("catching up would reach max_tokens: let the source finish the request")
+        if ids:
+            req.pending += [req.output_ids[-1], *ids[:-1]]
+            req.output_ids += ids
+
+    def release(self, request_id: str) -> None:
+        """A held request starts decoding here (its source has stopped)."""
+        req = self._active.get(request_id) or self._queue.get(request_id)
+        if req is None:
+            raise ValueError(f"request {request_id!r} is not in this engine")
+        req.held = False
+
     def cancel(self, request_id: str) -> bool:
-        """Drop a request and free its KV cache; False if it is not in the engine (e.g. already finished)."""
-        req = self._waiting.pop(request_id, None) or self._running.pop(request_id, None)
-        return req is not None
+        """Drop a request and free its KV slots; False if it is not in the engine (e.g. already finished)."""
+        if self._queue.pop(request_id, None) is not None:
+            return True
+        req = self._active.pop(request_id, None)
+        if req is None:
+            return False
+        self._close(req)
+        return True
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        """Something to compute: queued requests, prefills, or decodes (held requests wait)."""
+        return bool(self._queue) or any(r.pending or (not r.held and r.output_ids) for r in self._active.values())
 
     @property
     def num_requests(self) -> int:
-        return len(self._waiting) + len(self._running)
+        return len(self._queue) + len(self._active)
 
     @property
     def free_slots(self) -> int:
-        return self.max_batch_size - self.num_requests
+        return self.max_batch_size - len(self._active)
+
+    def context_ids(self, request_id: str) -> list[int]:
+        """Prompt + generated tokens of a request: what another worker needs to take it over."""
+        req = self._active.get(request_id) or self._queue.get(request_id)
+        if req is None:
+            raise KeyError(request_id)
+        return req.prompt_ids + req.output_ids
 
     # -- execution -----------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
-        """Prefill newly added requests (first token each) and decode one token for each running request."""
+        """Admit, decode one token for every running request, then prefill with what is left of the budget."""
+        while self._queue and len(self._active) < self.max_batch_size:
+            req = self._queue.popitem(last=False)[1]
+            for stage in self.stages:
+                stage.open(req.id)
+            req.started = True
+            self._active[req.id] = req
         outputs: list[TokenOutput] = []
-        for req in list(self._running.values()):
-            ids = torch.tensor([[req.output_ids[-1]]], device=self.device)
-            outputs.append(self._advance(req, self.model(ids, req.cache, logits_to_keep=1)))
-        while self._waiting:
-            req = self._waiting.pop(next(iter(self._waiting)))
-            req.cache = self.model.new_cache()
-            self._running[req.id] = req
-            ids = torch.tensor([req.prompt_ids], device=self.device)
-            outputs.append(self._advance(req, self.model(ids, req.cache, logits_to_keep=1)))
+        decoding = [r for r in self._active.values() if not r.pending and not r.held and r.output_ids]
+        if decoding:
+            ids = torch.tensor([[r.output_ids[-1]] for r in decoding], device=self.device)
+            logits = self._forward([r.id for r in decoding], ids, 1)
+            outputs += [self._advance(r, logits[i, -1]) for i, r in enumerate(decoding)]
+        budget = self.token_budget - len(decoding)
+        for req in [r for r in self._active.values() if r.pending]:
+            if budget <= 0:
+                break
+            n = min(len(req.pending), self.prefill_chunk, budget)
+            chunk, req.pending = req.pending[:n], req.pending[n:]
+            budget -= n
+            logits = self._forward([req.id], torch.tensor([chunk], device=self.device), n)
+            if not req.pending and not req.output_ids:
+                # A fresh prompt is in: its last position gives the first token. (A resumed request's
+                # last token is still to be fed: it decodes on the next step.)
+                outputs.append(self._advance(req, logits[0, -1]))
         return outputs
 
+    def _forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int) -> torch.Tensor:
+        x = inputs
+        last = len(self.stages) - 1
+        for i, stage in enumerate(self.stages):
+            x = stage.forward(request_ids, x, q_len, logits_to_keep=1 if i == last else 0)
+        return x
+
     def _advance(self, req: _Request, logits: torch.Tensor) -> TokenOutput:
-        token = sample_token(logits[0, -1], req.params, req.generator)
+        token = sample_token(logits, req.params, req.generator)
         req.output_ids.append(token)
         reason: FinishReason | None = None
         if token in req.stop_ids:
@@ -166,5 +305,31 @@ class Engine:
         elif len(req.output_ids) >= req.params.max_tokens:
             reason = "length"
         if reason is not None:
-            del self._running[req.id]  # frees the KV cache
+            del self._active[req.id]
+            self._close(req)
         return TokenOutput(req.id, token, reason is not None, reason, len(req.prompt_ids), len(req.output_ids))
+
+    def _close(self, req: _Request) -> None:
+        if req.started:
+            for stage in self.stages:
+                stage.close(req.id)
+            req.started = False
+
+
+def checkpoint_eos_ids(ckpt_dir: str | os.PathLike, index: CheckpointIndex) -> set[int]:
+    """End tokens: config.json's plus generation_config.json's (e.g. the end of a chat turn)."""
+    eos = set(_as_id_list(index.config.get("eos_token_id")))
+    gen_path = Path(ckpt_dir) / "generation_config.json"
+    if gen_path.is_file():
+        eos |= set(_as_id_list(json.loads(gen_path.read_text()).get("eos_token_id")))
+    return eos
+
+
+def local_stages(index: CheckpointIndex, blocks: Mapping[int, torch.Tensor], splits: Sequence[int],
+                 device: str | torch.device, slots: int, max_seq_len: int) -> list[LocalStage]:
+    """The model cut at block ids `splits` into local stages, each with its own KV cache."""
+    bounds = [0, *sorted(splits), index.n_blocks]
+    if len(set(bounds)) != len(bounds) or bounds != sorted(bounds):
+        raise ValueError(f"splits {list(splits)} must be distinct block ids inside 1..{index.n_blocks - 1}")
+    return [LocalStage(LayerRange(index, blocks, a, b, device=device), slots, max_seq_len)
+            for a, b in zip(bounds, bounds[1:])]

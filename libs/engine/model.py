@@ -22,6 +22,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from libs.checkpoint import CheckpointIndex, block_tensors
 from libs.checkpoint.format import torch_dtype
 
+from .kv import BatchView, SlotKVCache
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 _MASK_FUNCTIONS = {
@@ -162,6 +164,10 @@ class LayerRange(nn.Module):
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
 
+    def new_slot_cache(self, slots: int, max_seq_len: int) -> SlotKVCache:
+        """The engine's pre-allocated KV cache for this range's layers."""
+        return SlotKVCache(self.config, self.layer_start, self.layer_end, slots, max_seq_len, self.device, self.dtype)
+
     def seq_len(self, cache: DynamicCache) -> int:
         """Tokens already in this stage's part of the cache."""
         return cache.get_seq_length(self.layer_start)
@@ -170,7 +176,7 @@ class LayerRange(nn.Module):
     def forward(
         self,
         inputs: torch.Tensor,
-        cache: DynamicCache,
+        cache: DynamicCache | BatchView,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
@@ -185,21 +191,25 @@ class LayerRange(nn.Module):
             hidden = self.embed_tokens(inputs.to(self.device))
         else:
             hidden = inputs.to(self.device, self.dtype)
-        if position_ids is None:
-            past = self.seq_len(cache)
-            position_ids = torch.arange(past, past + hidden.shape[1], device=self.device).unsqueeze(0)
-
-        masks = {
-            lt: _MASK_FUNCTIONS[lt](
-                config=self.config,
-                inputs_embeds=hidden,
-                attention_mask=attention_mask,
-                past_key_values=cache,
-                position_ids=position_ids,
-                layer_idx=layer_idx,
-            )
-            for lt, layer_idx in self._mask_layer.items()
-        }
+        if isinstance(cache, BatchView):
+            # The engine's slot cache: every row at its own position, masks built by the view.
+            position_ids = cache.position_ids()
+            masks = cache.masks(set(self._mask_layer), getattr(self.config, "sliding_window", None))
+        else:
+            if position_ids is None:
+                past = self.seq_len(cache)
+                position_ids = torch.arange(past, past + hidden.shape[1], device=self.device).unsqueeze(0)
+            masks = {
+                lt: _MASK_FUNCTIONS[lt](
+                    config=self.config,
+                    inputs_embeds=hidden,
+                    attention_mask=attention_mask,
+                    past_key_values=cache,
+                    position_ids=position_ids,
+                    layer_idx=layer_idx,
+                )
+                for lt, layer_idx in self._mask_layer.items()
+            }
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for i, (layer, lt) in enumerate(zip(self.layers, self.layer_types)):
             if loading:

@@ -36,6 +36,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 __all__ = [
+    "live_pair_split",
     "zigzag_ilp",
     "best_effort_configs",
     "simulate_live_pair",
@@ -45,6 +46,20 @@ __all__ = [
 ]
 
 _EPS = 1e-9
+
+
+def live_pair_split(loaded_blocks: int, n_blocks: int) -> int:
+    """Blocks a loading target runs for its live pair before ZigZag takes over: all it has, up to half.
+
+    The loading worker takes the first T blocks of each batch (it holds them already),
+    the overloaded source the rest; capping T at half keeps the target, which is still
+    receiving parameters, from becoming the bottleneck. 0 means no live pair yet.
+    """
+    if n_blocks < 2:
+        raise ValueError(f"a live pair needs a model of at least 2 blocks, got {n_blocks}")
+    if loaded_blocks < 0:
+        raise ValueError(f"loaded_blocks must be >= 0, got {loaded_blocks}")
+    return min(loaded_blocks, n_blocks // 2)
 
 
 def _check(n_batches: int, n_layers: int, load_time_per_layer: float) -> None:

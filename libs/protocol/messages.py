@@ -371,6 +371,9 @@ class GenerateRequest(Message):
     prompt_ids: list[int] = Field(min_length=1)
     sampling: SamplingSpec
     reply_subject: str
+    # Hand-over (KV recompute): tokens this request already generated elsewhere. The worker
+    # rebuilds the KV cache with one prefill and streams from token index len(generated_ids).
+    generated_ids: list[int] = []
 
 
 class GenerateAccepted(Message):

@@ -229,3 +229,40 @@ def multicast(
         table.add_row(r["algorithm"], str(r["k"]), f"{r['completion_s']:.3f}", f"{r['schedule_bound_s']:.3f}",
                       f"{r['ratio_to_schedule_bound']:.3f}", f"{r['ratio_to_lower_bound']:.3f}")
     Console().print(table)
+
+
+@bench_app.command("engine")
+def engine(
+    path: Path = typer.Argument(None, help="A block checkpoint (default: the small demo, 4 blocks, built once)."),
+    hf: Path = typer.Option(None, "--hf", help="Its source Hugging Face folder (default: PATH/../hf)."),
+    new_tokens: int = typer.Option(32, "--new-tokens", min=2, help="Tokens decoded per request."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda, or auto (cuda if present)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    state_dir: Path = typer.Option(Path(".layercast"), "--state-dir"),
+) -> None:
+    """Batched decode at batch 1/4/16/32, prefill, and 2/4-stage pipelines against sequential generate()."""
+    import torch
+
+    from libs.checkpoint import convert_checkpoint, create_demo_checkpoint, is_block_checkpoint
+    from services.cli.bench_engine import run_engine_benchmark
+
+    if path is None:
+        root = state_dir.resolve() / "bench-engine-small"
+        path = root / "blocks"
+        if not is_block_checkpoint(path):
+            create_demo_checkpoint(root / "hf", preset="small", arch="llama", seed=0)
+            convert_checkpoint(root / "hf", path, 4)
+    if not is_block_checkpoint(path):
+        raise typer.BadParameter(f"{path} is not a block checkpoint (convert it with `layercast model convert`)")
+    hf = hf or path.parent / "hf"
+    if not (hf / "config.json").is_file():
+        raise typer.BadParameter(f"{hf} is not a Hugging Face folder; pass the source folder with --hf")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = run_engine_benchmark(path, hf, new_tokens, device)
+    if json_out:
+        typer.echo(json.dumps(result))
+        return
+    from rich.console import Console
+
+    Console().print_json(json.dumps(result))

@@ -32,6 +32,8 @@ def main() -> None:
     p.add_argument("--transport", choices=["tcp", "rdma"], default=env("LAYERCAST_TRANSPORT", "tcp"),
                    help="block transfers between workers: tcp, or rdma (the rdma extra and an RDMA device)")
     p.add_argument("--rdma-device", default=env("LAYERCAST_RDMA_DEVICE") or None)
+    p.add_argument("--kv-cache-gb", type=float, default=float(env("LAYERCAST_KV_CACHE_GB", "1")),
+                   help="KV cache per instance, pre-allocated: it bounds the requests running at once")
     p.add_argument("--torch-threads", type=int, default=int(env("LAYERCAST_TORCH_THREADS", "0")))
     p.add_argument("--health-host", default=env("LAYERCAST_HEALTH_HOST", "127.0.0.1"))
     p.add_argument("--health-port", type=int, default=int(env("LAYERCAST_HEALTH_PORT", "0")))
@@ -45,6 +47,7 @@ def main() -> None:
         heartbeat_interval_s=a.heartbeat_interval, torch_threads=a.torch_threads,
         device=a.device, serve_while_loading=a.serve_while_loading, load_chunk_bytes=a.load_chunk_mib << 20,
         load_threads=a.load_threads, transport=a.transport, rdma_device=a.rdma_device,
+        kv_cache_bytes=int(a.kv_cache_gb * (1 << 30)),
     )
     run(lambda: WorkerService(config), a.health_host, a.health_port)
 

@@ -23,6 +23,7 @@ class _Add:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    generated_ids: list[int]
 
 
 @dataclass
@@ -73,8 +74,9 @@ class EngineRuntime:
         self._inbox.put(_Detach(instance_id, lambda: self._loop.call_soon_threadsafe(done.set)))
         await done.wait()
 
-    def submit(self, instance_id: str, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        self._inbox.put(_Add(instance_id, request_id, prompt_ids, params))
+    def submit(self, instance_id: str, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               generated_ids: list[int] = ()) -> None:
+        self._inbox.put(_Add(instance_id, request_id, prompt_ids, params, list(generated_ids)))
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(_Cancel(request_id))
@@ -105,7 +107,7 @@ class EngineRuntime:
                 out.append((cmd.request_id, None, f"instance {cmd.instance_id} is not on this worker"))
                 return
             try:
-                engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params)
+                engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, generated_ids=cmd.generated_ids)
                 self._owner[cmd.request_id] = cmd.instance_id
             except (AdmissionError, ValueError) as e:
                 out.append((cmd.request_id, None, str(e)))

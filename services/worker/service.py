@@ -74,6 +74,7 @@ class WorkerConfig:
     # Host memory reserved and faulted in at start for loaded blocks (0: allocate per load). Loads
     # into it skip a page fault per 4 KiB; production workers size it like host_capacity_bytes.
     host_arena_bytes: int = 0
+    kv_cache_bytes: int = 1 << 30  # per instance: pre-allocated KV slots (min(max_batch_size, budget / slot))
     transport: str = "tcp"  # block transfers: "tcp", or "rdma" (pyverbs and an RDMA device)
     rdma_device: str | None = None
 
@@ -302,7 +303,8 @@ class WorkerService(Service):
                 if full:
                     engine = await asyncio.to_thread(
                         Engine, index, _ArrivingBlocks(ready, job), device=self.config.device,
-                        max_batch_size=self.config.max_batch_size, max_seq_len=self.config.max_seq_len)
+                        max_batch_size=self.config.max_batch_size, max_seq_len=self.config.max_seq_len,
+                        kv_cache_bytes=self.config.kv_cache_bytes)
                 for b in wanted:
                     t0 = time.perf_counter()
                     if b in cached:
@@ -456,8 +458,11 @@ class WorkerService(Service):
             span = _tracer.start_span("worker.generate", attributes={
                 "layercast.model": req.model, "layercast.worker": wid, "layercast.instance": req.instance_id,
                 "layercast.prompt_tokens": len(req.prompt_ids)})
-            self.requests[req.request_id] = _Request(req.instance_id, req.model, req.reply_subject, span)
-            self.runtime.submit(req.instance_id, req.request_id, req.prompt_ids, params)
+            if req.generated_ids:
+                span.set_attribute("layercast.resumed_tokens", len(req.generated_ids))
+            self.requests[req.request_id] = _Request(req.instance_id, req.model, req.reply_subject, span,
+                                                     next_index=len(req.generated_ids))
+            self.runtime.submit(req.instance_id, req.request_id, req.prompt_ids, params, req.generated_ids)
             return m.GenerateAccepted(request_id=req.request_id, queued=self.runtime.running(req.instance_id))
 
         @b.subscriber(subjects.worker_rdma_connect(wid))

@@ -209,3 +209,13 @@ def test_ilp_is_optimal_against_brute_force(load: float, paper_c3: bool) -> None
                 best = sum(ideal) if best is None else min(best, sum(ideal))
             got = zigzag_ilp(n, layers, load, paper_c3=paper_c3)
             assert sum(accumulate(s for _, s in got)) == best
+
+
+@given(st.integers(min_value=0, max_value=64), st.integers(min_value=2, max_value=64))
+def test_live_pair_split_takes_what_is_loaded_up_to_half(loaded, n_blocks):
+    from libs.planning.zigzag import live_pair_split
+
+    t = live_pair_split(loaded, n_blocks)
+    assert 0 <= t <= min(loaded, n_blocks // 2)
+    assert t == min(loaded, n_blocks // 2)
+    assert (t == 0) == (loaded == 0)

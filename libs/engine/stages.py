@@ -1,0 +1,244 @@
+"""Pipeline stages: a contiguous layer range with its own KV cache, here or on another worker.
+
+A stage takes token ids (first stage) or hidden states and returns hidden states
+or, for the last stage, logits. `open`/`close` reserve and free a request's KV
+slot: the KV of a request lives with the stage that computed it.
+
+`StageServer` hosts local stages for remote callers and `RemoteStage` calls one
+of them: activations travel on the data plane's small-message channel (their
+own connections, never behind bulk block transfers), one call and one reply
+per forward pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import queue
+import struct
+import threading
+import weakref
+from typing import Protocol
+
+import torch
+
+from libs.transfer.base import Transport, TransferError
+
+from .model import LayerRange
+
+log = logging.getLogger(__name__)
+
+CALL_CHANNEL = "stage.call"
+REPLY_CHANNEL = "stage.reply"
+_LEN = struct.Struct("!I")
+
+
+class Stage(Protocol):
+    slots: int
+
+    def open(self, request_id: str) -> None: ...
+
+    def close(self, request_id: str) -> None: ...
+
+    def forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, logits_to_keep: int = 0
+                ) -> torch.Tensor: ...
+
+
+class LocalStage:
+    """A LayerRange with a pre-allocated slot KV cache, in this process."""
+
+    def __init__(self, model: LayerRange, slots: int, max_seq_len: int):
+        self.model = model
+        self.kv = model.new_slot_cache(slots, max_seq_len)
+        self._slot: dict[str, int] = {}
+
+    @property
+    def slots(self) -> int:
+        return self.kv.slots
+
+    def open(self, request_id: str) -> None:
+        if request_id in self._slot:
+            raise ValueError(f"request {request_id!r} already holds a slot")
+        slot = self.kv.allocate()
+        if slot is None:
+            raise RuntimeError(f"no free KV slot for {request_id!r} ({self.kv.slots} in use)")
+        self._slot[request_id] = slot
+
+    def close(self, request_id: str) -> None:
+        slot = self._slot.pop(request_id, None)
+        if slot is not None:
+            self.kv.release(slot)
+
+    def forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, logits_to_keep: int = 0
+                ) -> torch.Tensor:
+        view = self.kv.batch([self._slot[r] for r in request_ids], q_len)
+        out = self.model(inputs, view, logits_to_keep=logits_to_keep)
+        view.commit()
+        return out
+
+
+# --- activations on the wire ----------------------------------------------------------------------
+
+
+def pack(header: dict, tensor: torch.Tensor | None = None) -> bytes:
+    """JSON header (+ dtype and shape of the tensor) followed by the tensor's raw bytes."""
+    raw = b""
+    if tensor is not None:
+        t = tensor.detach().to("cpu").contiguous()
+        header = {**header, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    head = json.dumps(header).encode()
+    return _LEN.pack(len(head)) + head + raw
+
+
+def unpack(payload: bytes) -> tuple[dict, torch.Tensor | None]:
+    if len(payload) < _LEN.size:
+        raise ValueError("stage message too short")
+    (n,) = _LEN.unpack_from(payload)
+    header = json.loads(payload[_LEN.size:_LEN.size + n])
+    if not isinstance(header, dict):
+        raise ValueError("stage message header is not an object")
+    if "dtype" not in header:
+        return header, None
+    dtype = getattr(torch, str(header["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {header['dtype']!r}")
+    shape = [int(d) for d in header["shape"]]
+    data = bytearray(payload[_LEN.size + n:])
+    t = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return header, t.view(dtype).reshape(shape)
+
+
+class StageServer:
+    """Runs calls from remote engines on local stages, one at a time on its own thread."""
+
+    def __init__(self, transport: Transport, peers: dict[str, str]):
+        self.transport = transport
+        self.peers = peers  # caller node id -> address, for the replies
+        self.stages: dict[str, LocalStage] = {}
+        self._inbox: queue.Queue = queue.Queue()
+        transport.on_message(CALL_CHANNEL, lambda src, payload: self._inbox.put((src, payload)))
+        self._thread = threading.Thread(target=self._run, name="stage-server", daemon=True)
+        self._thread.start()
+
+    def add(self, stage_id: str, stage: LocalStage) -> None:
+        self.stages[stage_id] = stage
+
+    def close(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while (item := self._inbox.get()) is not None:
+            src, payload = item
+            call_id = None
+            try:
+                header, tensor = unpack(payload)
+                call_id = header.get("call_id")
+                out = self._serve(header, tensor)
+                reply = pack({"call_id": call_id, "ok": True}, out)
+            except Exception as e:  # a bad call fails that call, never the server
+                log.warning("stage call from %s failed: %s", src, e)
+                reply = pack({"call_id": call_id, "ok": False, "error": f"{type(e).__name__}: {e}"})
+            try:
+                self.transport.send_message(src, self.peers[src], REPLY_CHANNEL, reply)
+            except (KeyError, TransferError) as e:
+                log.warning("cannot reply to %s: %s", src, e)
+
+    @torch.inference_mode()
+    def _serve(self, header: dict, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        stage = self.stages.get(str(header.get("stage")))
+        if stage is None:
+            raise KeyError(f"no stage {header.get('stage')!r} here")
+        op = header.get("op")
+        if op == "open":
+            stage.open(str(header["request_id"]))
+            return None
+        if op == "close":
+            stage.close(str(header["request_id"]))
+            return None
+        if op == "forward" and tensor is not None:
+            return stage.forward([str(r) for r in header["request_ids"]], tensor, int(header["q_len"]),
+                                 int(header.get("logits_to_keep", 0)))
+        raise ValueError(f"unknown stage operation {op!r}")
+
+
+class RemoteStage:
+    """A stage hosted by a StageServer on another worker; calls block until the reply arrives."""
+
+    _ids = itertools.count()
+
+    def __init__(self, transport: Transport, peer: str, address: str, stage_id: str, slots: int,
+                 timeout_s: float = 60.0):
+        self.transport, self.peer, self.address, self.stage_id = transport, peer, address, stage_id
+        self.slots = slots
+        self.timeout_s = timeout_s
+        self._replies = _replies_of(transport)
+
+    def _call(self, header: dict, tensor: torch.Tensor | None = None) -> torch.Tensor | None:
+        call_id = f"{self.transport.node_id}:{next(self._ids)}"
+        waiter = self._replies.expect(call_id)
+        self.transport.send_message(self.peer, self.address, CALL_CHANNEL,
+                                    pack({**header, "call_id": call_id, "stage": self.stage_id}, tensor))
+        header, out = self._replies.wait(call_id, waiter, self.timeout_s)
+        if not header.get("ok"):
+            raise RuntimeError(f"stage {self.stage_id} on {self.peer}: {header.get('error')}")
+        return out
+
+    def open(self, request_id: str) -> None:
+        self._call({"op": "open", "request_id": request_id})
+
+    def close(self, request_id: str) -> None:
+        self._call({"op": "close", "request_id": request_id})
+
+    def forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, logits_to_keep: int = 0
+                ) -> torch.Tensor:
+        return self._call({"op": "forward", "request_ids": request_ids, "q_len": q_len,
+                           "logits_to_keep": logits_to_keep}, inputs)
+
+
+class _Replies:
+    """Replies of one transport's remote-stage calls, matched by call id."""
+
+    def __init__(self, transport: Transport):
+        self._lock = threading.Lock()
+        self._waiting: dict[str, list] = {}
+        transport.on_message(REPLY_CHANNEL, self._on_reply)
+
+    def expect(self, call_id: str) -> list:
+        box = [threading.Event(), None]
+        with self._lock:
+            self._waiting[call_id] = box
+        return box
+
+    def wait(self, call_id: str, box: list, timeout_s: float):
+        if not box[0].wait(timeout_s):
+            with self._lock:
+                self._waiting.pop(call_id, None)
+            raise TimeoutError(f"no reply to stage call {call_id} within {timeout_s}s")
+        return box[1]
+
+    def _on_reply(self, src: str, payload: bytes) -> None:
+        try:
+            header, tensor = unpack(payload)
+        except ValueError as e:
+            log.warning("malformed stage reply from %s dropped: %s", src, e)
+            return
+        with self._lock:
+            box = self._waiting.pop(str(header.get("call_id")), None)
+        if box is not None:
+            box[1] = (header, tensor)
+            box[0].set()
+
+
+_REPLIES: weakref.WeakKeyDictionary[Transport, _Replies] = weakref.WeakKeyDictionary()
+_REPLIES_LOCK = threading.Lock()
+
+
+def _replies_of(transport: Transport) -> _Replies:
+    with _REPLIES_LOCK:
+        r = _REPLIES.get(transport)
+        if r is None:
+            r = _REPLIES[transport] = _Replies(transport)
+        return r
