@@ -154,22 +154,13 @@ def load(
     state_dir: Path = typer.Option(Path(".layercast"), "--state-dir"),
 ) -> None:
     """Cold/warm/host-tier load bandwidth and time to first logits against the raw disk and the usual loaders."""
-    import torch
-
-    from libs.checkpoint import is_block_checkpoint
     from libs.checkpoint.fastload import DEFAULT_CHUNK_BYTES, DEFAULT_THREADS
     from services.cli.bench_load import demo_paths, run_load_benchmark, sweep
 
     if path is None:
         path, default_hf = demo_paths(state_dir)
         hf = hf or default_hf
-    if not is_block_checkpoint(path):
-        raise typer.BadParameter(f"{path} is not a block checkpoint (convert it with `layercast model convert`)")
-    hf = hf or path.parent / "hf"
-    if not (hf / "config.json").is_file():
-        raise typer.BadParameter(f"{hf} is not a Hugging Face folder; pass the source folder with --hf")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf, device = _checkpoint_and_device(path, hf, device)
     result = run_load_benchmark(path, hf, repeat, (chunk_mib << 20) or DEFAULT_CHUNK_BYTES,
                                 threads or DEFAULT_THREADS, device)
     if do_sweep:
@@ -180,6 +171,22 @@ def load(
     from rich.console import Console
 
     Console().print_json(json.dumps(result))
+
+
+def _checkpoint_and_device(path: Path, hf: Path | None, device: str) -> tuple[Path, str]:
+    """Check a benchmark's checkpoint and its HF source folder (default PATH/../hf); resolve device auto."""
+    import torch
+
+    from libs.checkpoint import is_block_checkpoint
+
+    if not is_block_checkpoint(path):
+        raise typer.BadParameter(f"{path} is not a block checkpoint (convert it with `layercast model convert`)")
+    hf = hf or path.parent / "hf"
+    if not (hf / "config.json").is_file():
+        raise typer.BadParameter(f"{hf} is not a Hugging Face folder; pass the source folder with --hf")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return hf, device
 
 
 def _int_list(text: str) -> list[int]:
@@ -241,8 +248,6 @@ def engine(
     state_dir: Path = typer.Option(Path(".layercast"), "--state-dir"),
 ) -> None:
     """Batched decode at batch 1/4/16/32, prefill, and 2/4-stage pipelines against sequential generate()."""
-    import torch
-
     from libs.checkpoint import convert_checkpoint, create_demo_checkpoint, is_block_checkpoint
     from services.cli.bench_engine import run_engine_benchmark
 
@@ -252,13 +257,7 @@ def engine(
         if not is_block_checkpoint(path):
             create_demo_checkpoint(root / "hf", preset="small", arch="llama", seed=0)
             convert_checkpoint(root / "hf", path, 4)
-    if not is_block_checkpoint(path):
-        raise typer.BadParameter(f"{path} is not a block checkpoint (convert it with `layercast model convert`)")
-    hf = hf or path.parent / "hf"
-    if not (hf / "config.json").is_file():
-        raise typer.BadParameter(f"{hf} is not a Hugging Face folder; pass the source folder with --hf")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf, device = _checkpoint_and_device(path, hf, device)
     result = run_engine_benchmark(path, hf, new_tokens, device)
     if json_out:
         typer.echo(json.dumps(result))
