@@ -216,7 +216,7 @@ def test_live_pair_loading_worker_runs_the_first_blocks_it_holds(four_blocks, ex
 def test_engine_benchmark_reports_every_field(four_blocks, hf_dir):
     from services.cli.bench_engine import BATCHES, run_engine_benchmark
 
-    r = run_engine_benchmark(four_blocks, hf_dir, new_tokens=3)
+    r = run_engine_benchmark(four_blocks, hf_dir, new_tokens=3, repeat=1)
     assert set(r["decode_tokens_per_s"]) == {str(b) for b in BATCHES}
     assert all(v > 0 for v in r["decode_tokens_per_s"].values())
     assert r["hf_generate_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0

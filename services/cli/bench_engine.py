@@ -7,6 +7,8 @@
 - `prefill_tokens_per_s`: 128-token prompts prefilled one per step;
 - `pipeline_slowdown`: decode at batch 16 through 2 and 4 in-process stages (each with
   its own KV cache) relative to the local engine: the cost of the stage boundaries.
+
+Every figure is the best of `repeat` runs (noise on a shared machine only slows runs).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def _hf_rate(hf_dir: Path, vocab: int, n: int, new_tokens: int) -> float:
     return produced / (time.perf_counter() - t0)
 
 
-def run_engine_benchmark(path: Path, hf_dir: Path, new_tokens: int = 32, device: str = "cpu") -> dict:
+def run_engine_benchmark(path: Path, hf_dir: Path, new_tokens: int = 32, device: str = "cpu",
+                         repeat: int = 3) -> dict:
     from libs.engine import Engine
 
     index = CheckpointIndex.load(path)
@@ -77,13 +80,13 @@ def run_engine_benchmark(path: Path, hf_dir: Path, new_tokens: int = 32, device:
         return Engine.from_checkpoint(path, device=device, splits=splits, max_batch_size=max(BATCHES),
                                       max_seq_len=max_seq, eos_token_ids=(), token_budget=8192)
 
+    # Best of `repeat` everywhere: the machine is shared, noise only ever slows a run down.
     local = engine()
     _decode_rate(local, 2, 4)  # warm-up: kernels, allocator
-    decode = {str(b): round(_decode_rate(local, b, new_tokens), 1) for b in BATCHES}
-    prefill = round(_prefill_rate(local, 4), 1)
-    hf = round(_hf_rate(hf_dir, local.vocab_size, 4, new_tokens), 1)
+    decode = {str(b): round(max(_decode_rate(local, b, new_tokens) for _ in range(repeat)), 1) for b in BATCHES}
+    prefill = round(max(_prefill_rate(local, 4) for _ in range(repeat)), 1)
+    hf = round(max(_hf_rate(hf_dir, local.vocab_size, 4, new_tokens) for _ in range(repeat)), 1)
     slowdown = {}
-    base = _decode_rate(local, 16, new_tokens)
     for n_stages in (2, 4):
         if index.n_blocks < n_stages:
             continue
@@ -91,7 +94,11 @@ def run_engine_benchmark(path: Path, hf_dir: Path, new_tokens: int = 32, device:
         splits = sorted({round(step * i) for i in range(1, n_stages)})
         staged = engine(splits)
         _decode_rate(staged, 2, 4)
-        slowdown[str(n_stages)] = round(base / _decode_rate(staged, 16, new_tokens), 3)
+        base, piped = 0.0, 0.0
+        for _ in range(repeat):  # interleaved, so drift hits both alike
+            base = max(base, _decode_rate(local, 16, new_tokens))
+            piped = max(piped, _decode_rate(staged, 16, new_tokens))
+        slowdown[str(n_stages)] = round(base / piped, 3)
     return {
         "model": str(path), "n_layers": index.n_layers, "n_blocks": index.n_blocks, "device": device,
         "prompt_tokens": PROMPT_LEN, "new_tokens": new_tokens,
@@ -100,4 +107,5 @@ def run_engine_benchmark(path: Path, hf_dir: Path, new_tokens: int = 32, device:
         "prefill_tokens_per_s": prefill,
         "pipeline_slowdown": slowdown,
         "batch16_over_hf_generate": round(decode["16"] / hf, 2),
+        "repeat": repeat,
     }
