@@ -20,6 +20,8 @@ import threading
 import time
 import zlib
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -649,6 +651,17 @@ def fabric(monkeypatch):
 # Scenarios, run over the fake layer and (marked rdma) over a real device
 # ======================================================================================
 
+@contextmanager
+def transport_pair(mode: str, **kw) -> Iterator[tuple[RdmaTransport, RdmaTransport]]:
+    """make_pair, closed again however the test ends."""
+    a, b = make_pair(mode, **kw)
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
 def make_pair(mode: str, **kw) -> tuple[RdmaTransport, RdmaTransport]:
     nodes: dict[str, RdmaTransport] = {}
 
@@ -746,14 +759,10 @@ def test_rdma_device_two_transports_move_blocks(mode):
     ok, reason = rdma_available(os.environ.get("LAYERCAST_RDMA_DEVICE"))
     if not ok:
         pytest.skip(reason)
-    a, b = make_pair(mode, **_rdma_hw_kwargs())
-    try:
+    with transport_pair(mode, **_rdma_hw_kwargs()) as (a, b):
         scenario_blocks_move_byte_identically(a, b)
         scenario_cut_through(a, b)
         scenario_messages(a, b)
-    finally:
-        a.close()
-        b.close()
 
 
 # ======================================================================================
@@ -762,8 +771,7 @@ def test_rdma_device_two_transports_move_blocks(mode):
 
 @pytest.mark.parametrize("mode", ["write", "read"])
 def test_fake_blocks_move_byte_identically(fabric, mode):
-    a, b = make_pair(mode)
-    try:
+    with transport_pair(mode) as (a, b):
         scenario_blocks_move_byte_identically(a, b)
         # per-transfer registrations are gone again; what stays: two send pools and two ctrl rings
         deadline = time.monotonic() + 5
@@ -771,15 +779,11 @@ def test_fake_blocks_move_byte_identically(fabric, mode):
             time.sleep(0.02)
         assert len(a._mrs) == len(b._mrs) == 0
         assert len(fabric.mrs) == 4
-    finally:
-        a.close()
-        b.close()
     assert not fabric.mrs and not fabric.qps
 
 
 def test_fake_write_mode_splits_chunks_and_marks_each_with_one_immediate(fabric):
-    a, b = make_pair("write")
-    try:
+    with transport_pair("write") as (a, b):
         src = _random_block(5, 256 * 1024 + 10, seed=5)
         dst = BlockSlot(5, bytearray(src.nbytes))
         b.expect("op", 5, "a", dst)
@@ -789,14 +793,10 @@ def test_fake_write_mode_splits_chunks_and_marks_each_with_one_immediate(fabric)
         # spans of a chunk (128K, 128K, 10): each cut at the 96K max message, its last WR carrying the immediate
         assert fabric.posted == [("write", 96 * 1024), ("write_imm", 32 * 1024), ("write", 96 * 1024),
                                  ("write_imm", 32 * 1024), ("write_imm", 10)]
-    finally:
-        a.close()
-        b.close()
 
 
 def test_fake_read_mode_pulls_with_rdma_read(fabric):
-    a, b = make_pair("read")
-    try:
+    with transport_pair("read") as (a, b):
         src = _random_block(1, 200 * 1024, seed=1)
         dst = BlockSlot(1, bytearray(src.nbytes))
         b.expect("op", 1, "a", dst)
@@ -804,33 +804,21 @@ def test_fake_read_mode_pulls_with_rdma_read(fabric):
         assert dst.complete and bytes(dst.view) == bytes(src.view)  # READ mode returns after the receiver's done
         assert {op for op, _ in fabric.posted} == {"read"}
         assert all(n <= 64 * 1024 for _, n in fabric.posted)
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.parametrize("mode", ["write", "read"])
 def test_fake_cut_through(fabric, mode):
-    a, b = make_pair(mode)
-    try:
+    with transport_pair(mode) as (a, b):
         scenario_cut_through(a, b)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_fake_messages_both_ways(fabric):
-    a, b = make_pair("write")
-    try:
+    with transport_pair("write") as (a, b):
         scenario_messages(a, b)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_fake_send_before_expect_waits_for_the_registration(fabric):
-    a, b = make_pair("write")
-    try:
+    with transport_pair("write") as (a, b):
         src = _random_block(0, 50_000, seed=2)
         dst = BlockSlot(0, bytearray(src.nbytes))
         sender = threading.Thread(target=a.send_block, args=("b", b.address, "late", src),
@@ -842,14 +830,10 @@ def test_fake_send_before_expect_waits_for_the_registration(fabric):
         sender.join(10)
         dst.wait_filled(dst.nbytes, timeout=5)
         assert bytes(dst.view) == bytes(src.view)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_fake_simultaneous_connect_ends_with_one_connection_per_side(fabric):
-    a, b = make_pair("write")
-    try:
+    with transport_pair("write") as (a, b):
         got = []
         a.on_message("x", lambda s, p: got.append(p))
         b.on_message("x", lambda s, p: got.append(p))
@@ -870,37 +854,25 @@ def test_fake_simultaneous_connect_ends_with_one_connection_per_side(fabric):
         assert sorted(got) == [b"from a", b"from b"]
         ca, cb = a._conns["b"], b._conns["a"]
         assert ca.remote.bulk_qpn == cb.bulk_qp.qp_num and cb.remote.bulk_qpn == ca.bulk_qp.qp_num
-    finally:
-        a.close()
-        b.close()
 
 
 def test_fake_forgotten_operation_is_refused(fabric):
-    a, b = make_pair("write")
-    try:
+    with transport_pair("write") as (a, b):
         b.forget("gone")
         with pytest.raises(TransferError, match="refused"):
             a.send_block("b", b.address, "gone", _random_block(0, 1000, seed=0), stall_timeout_s=5)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_fake_wrong_source_is_refused(fabric):
-    a, b = make_pair("write")
-    try:
+    with transport_pair("write") as (a, b):
         b.expect("op", 0, "someone-else", BlockSlot(0, bytearray(1000)))
         with pytest.raises(TransferError, match="expected from someone-else"):
             a.send_block("b", b.address, "op", _random_block(0, 1000, seed=0), stall_timeout_s=5)
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.parametrize("mode", ["write", "read"])
 def test_fake_cancelled_send_fails_the_receiving_slot(fabric, mode):
-    a, b = make_pair(mode)
-    try:
+    with transport_pair(mode) as (a, b):
         src = BlockSlot(0, bytearray(300 * 1024))  # never fills past the first chunk
         src.writable(0, 64 * 1024)[:] = b"\x01" * (64 * 1024)
         src.advance(64 * 1024)
@@ -913,14 +885,10 @@ def test_fake_cancelled_send_fails_the_receiving_slot(fabric, mode):
         with pytest.raises(TransferError, match="gave up"):
             dst.wait_filled(dst.nbytes, timeout=5)
         assert dst.filled == 64 * 1024  # the first chunk had landed
-    finally:
-        a.close()
-        b.close()
 
 
 def test_fake_forget_during_a_write_revokes_it(fabric):
-    a, b = make_pair("write")
-    try:
+    with transport_pair("write") as (a, b):
         src = BlockSlot(0, bytearray(256 * 1024))
         src.writable(0, 64 * 1024)[:] = b"\x02" * (64 * 1024)
         src.advance(64 * 1024)
@@ -944,21 +912,14 @@ def test_fake_forget_during_a_write_revokes_it(fabric):
         while b._tokens and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not b._tokens
-    finally:
-        a.close()
-        b.close()
 
 
 def test_fake_lost_peer_fails_the_send(fabric):
-    a, b = make_pair("write")
-    try:
+    with transport_pair("write") as (a, b):
         a.send_message("b", b.address, "x", b"connect")
         b.close()
         with pytest.raises(TransferError):
             a.send_block("b", "", "op", _random_block(0, 10_000, seed=0), stall_timeout_s=3)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_fake_close_fails_pending_receives(fabric):
@@ -974,22 +935,17 @@ def test_fake_close_fails_pending_receives(fabric):
 
 
 def test_fake_accept_exchange_rejects_malformed_info(fabric):
-    a, b = make_pair("write")
-    try:
+    with transport_pair("write") as (a, b):
         with pytest.raises(RdmaProtocolError, match="'bulk_qpn'"):
             b.accept_exchange("a", _info(node="a", bulk_qpn="x"))
         with pytest.raises(RdmaProtocolError, match="names node"):
             b.accept_exchange("a", _info(node="mallory"))
         with pytest.raises(TransferError, match="itself"):
             a.send_message("a", a.address, "x", b"")
-    finally:
-        a.close()
-        b.close()
 
 
 def test_fake_register_slot_keeps_one_registration(fabric):
-    a, b = make_pair("write")
-    try:
+    with transport_pair("write") as (a, b):
         src = _random_block(0, 10_000, seed=4)
         a.register_slot(src)
         before = len(fabric.mrs)
@@ -1004,9 +960,6 @@ def test_fake_register_slot_keeps_one_registration(fabric):
         assert len(a._mrs) == 0
         with pytest.raises(TransferError, match="not registered"):
             a.unregister_slot(src)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_fake_roce_port_with_an_empty_gid_is_refused(fabric, monkeypatch):
@@ -1018,8 +971,7 @@ def test_fake_roce_port_with_an_empty_gid_is_refused(fabric, monkeypatch):
 
 
 def test_fake_held_slot_is_answered_once_admitted(fabric):
-    a, b = make_pair("write")
-    try:
+    with transport_pair("write") as (a, b):
         src = _random_block(0, 20_000, seed=6)
         dst = BlockSlot(0, bytearray(src.nbytes))
         dst.hold()
@@ -1033,16 +985,12 @@ def test_fake_held_slot_is_answered_once_admitted(fabric):
         sender.join(10)
         dst.wait_filled(dst.nbytes, timeout=5)
         assert bytes(dst.view) == bytes(src.view)
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.parametrize("mode", ["write", "read"])
 def test_fake_schedule_grant_and_abort_travel_as_messages(fabric, mode):
     """The base class's receiver-driven grant (wait_grant) and op abort work over the ctrl QP."""
-    a, b = make_pair(mode)
-    try:
+    with transport_pair(mode) as (a, b):
         src = _random_block(2, 30_000, seed=8)
         dst = BlockSlot(2, bytearray(src.nbytes))
         b.expect("op", 2, "a", dst)
@@ -1063,20 +1011,13 @@ def test_fake_schedule_grant_and_abort_travel_as_messages(fabric, mode):
             pending.wait_filled(10, timeout=5)
         with pytest.raises(ValueError, match="reserved"):
             a.on_message("layercast.abort", lambda s, p: None)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_fake_duplicate_expect_is_rejected_by_the_base(fabric):
-    a, b = make_pair("write")
-    try:
+    with transport_pair("write") as (a, b):
         b.expect("op", 0, "a", BlockSlot(0, bytearray(10)))
         with pytest.raises(ValueError, match="already expected"):
             b.expect("op", 0, "a", BlockSlot(0, bytearray(10)))
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.parametrize("mode", ["write", "read"])
