@@ -21,7 +21,14 @@ import psycopg  # noqa: E402
 import pytest  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
 
-from services.cli.cluster import start_nats, stop_processes, ProcessInfo  # noqa: E402
+from services.cli.cluster import (  # noqa: E402
+    ClusterSpec,
+    ProcessInfo,
+    free_port,
+    start_cluster,
+    start_nats,
+    stop_processes,
+)
 
 
 @pytest.fixture(scope="session")
@@ -68,6 +75,20 @@ def fresh_database(server_url: str):
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
+def running_cluster(postgres_server_url: str, checkpoint: Path, deploy: dict, emulation=None, **spec):
+    """A whole cluster as processes on a fresh database, the checkpoint deployed as "tiny"; stopped after."""
+    from services.cli.app import deploy_model
+
+    with fresh_database(postgres_server_url) as db:
+        state = start_cluster(ClusterSpec(port=free_port(), database_url=db, **spec), emulation=emulation)
+        try:
+            deploy_model(state, "tiny", checkpoint, **deploy)
+            yield state
+        finally:
+            stop_processes(state.processes)
 
 
 @pytest.fixture

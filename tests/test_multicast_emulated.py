@@ -8,11 +8,9 @@ import uuid
 import httpx
 import pytest
 
-from services.cli.app import deploy_model
 from services.cli.bench_multicast import ALGORITHMS, run_multicast_benchmark
-from services.cli.cluster import ClusterSpec, free_port, start_cluster, stop_processes
 from services.cli.emulation import EmulatedCluster, can_emulate
-from conftest import fresh_database
+from conftest import running_cluster
 
 _ok, _why = can_emulate()
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.skipif(not _ok, reason=_why)]
@@ -36,18 +34,14 @@ def test_every_algorithm_on_capped_links_respects_physics_and_its_schedule():
 
 def test_dev_cluster_with_workers_in_namespaces_serves(tmp_path, postgres_server_url, tiny_checkpoint):
     """`layercast up --emulate`: workers reach NATS over the bridge and serve through the gateway."""
-    with fresh_database(postgres_server_url) as db, EmulatedCluster(2, link_mbit=500) as emulation:
-        spec = ClusterSpec(state_dir=tmp_path, port=free_port(), api_key="k", admin_key="a", workers=2,
-                           database_url=db, namespace=f"lcem{uuid.uuid4().hex[:6]}")
-        state = start_cluster(spec, emulation=emulation)
-        try:
-            deploy_model(state, "tiny", tiny_checkpoint, min_instances=0, max_instances=1)
-            with httpx.Client(base_url=state.gateway_url, timeout=60) as c:
-                r = c.post("/v1/completions", headers={"Authorization": "Bearer k"},
-                           json={"model": "tiny", "prompt": "hi", "max_tokens": 3})
-                assert r.status_code == 200, r.text
-                workers = c.get("/admin/v1/cluster", headers={"Authorization": "Bearer a"}).json()["workers"]
-            node_ips = {n.ip for n in emulation.nodes}
-            assert {w["data_address"].rsplit(":", 1)[0] for w in workers} == node_ips
-        finally:
-            stop_processes(state.processes)
+    with EmulatedCluster(2, link_mbit=500) as emulation, running_cluster(
+            postgres_server_url, tiny_checkpoint, dict(min_instances=0, max_instances=1), emulation=emulation,
+            state_dir=tmp_path, api_key="k", admin_key="a", workers=2,
+            namespace=f"lcem{uuid.uuid4().hex[:6]}") as state:
+        with httpx.Client(base_url=state.gateway_url, timeout=60) as c:
+            r = c.post("/v1/completions", headers={"Authorization": "Bearer k"},
+                       json={"model": "tiny", "prompt": "hi", "max_tokens": 3})
+            assert r.status_code == 200, r.text
+            workers = c.get("/admin/v1/cluster", headers={"Authorization": "Bearer a"}).json()["workers"]
+        node_ips = {n.ip for n in emulation.nodes}
+        assert {w["data_address"].rsplit(":", 1)[0] for w in workers} == node_ips

@@ -19,9 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from libs.checkpoint import CheckpointIndex
-from services.cli.app import deploy_model
-from services.cli.cluster import ClusterSpec, free_port, start_cluster, stop_processes
-from conftest import fresh_database, wait_for
+from conftest import running_cluster, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -31,21 +29,16 @@ QUEUE_TIMEOUT_S = 4
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
-    with fresh_database(postgres_server_url) as db:
-        spec = ClusterSpec(state_dir=tmp_path_factory.mktemp("cluster"), port=free_port(), api_key=API_KEY,
-                           admin_key=ADMIN_KEY, workers=2, nats_url=nats_url, database_url=db,
-                           namespace=f"lce{uuid.uuid4().hex[:8]}", heartbeat_ttl_s=2.0,
-                           extra_env={"LAYERCAST_QUEUE_TIMEOUT": str(QUEUE_TIMEOUT_S),
-                                      # workers load into a reserved host arena (the production set-up)
-                                      "LAYERCAST_HOST_ARENA_GB": "0.05",
-                                      # spans go to the logs, so a test can follow one trace across processes
-                                      "OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"})
-        state = start_cluster(spec)
-        try:
-            deploy_model(state, "tiny", tiny_checkpoint, min_instances=0, max_instances=2, keep_alive_s=600)
-            yield state
-        finally:
-            stop_processes(state.processes)
+    with running_cluster(
+            postgres_server_url, tiny_checkpoint, dict(min_instances=0, max_instances=2, keep_alive_s=600),
+            state_dir=tmp_path_factory.mktemp("cluster"), api_key=API_KEY, admin_key=ADMIN_KEY, workers=2,
+            nats_url=nats_url, namespace=f"lce{uuid.uuid4().hex[:8]}", heartbeat_ttl_s=2.0,
+            extra_env={"LAYERCAST_QUEUE_TIMEOUT": str(QUEUE_TIMEOUT_S),
+                       # workers load into a reserved host arena (the production set-up)
+                       "LAYERCAST_HOST_ARENA_GB": "0.05",
+                       # spans go to the logs, so a test can follow one trace across processes
+                       "OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"}) as state:
+        yield state
 
 
 def api(cluster, key: str | None = API_KEY) -> httpx.Client:

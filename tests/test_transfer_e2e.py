@@ -20,10 +20,8 @@ from libs.protocol import subjects
 from libs.protocol.bus import call, make_broker, on_event, start_broker
 from libs.transfer.base import BlockSlot
 from libs.transfer.tcp import TcpTransport
-from services.cli.app import deploy_model
 from services.cli.bench_multicast import ALGORITHMS, run_multicast_benchmark
-from services.cli.cluster import ClusterSpec, free_port, start_cluster, stop_processes
-from conftest import fresh_database, wait_for
+from conftest import running_cluster, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -32,17 +30,12 @@ API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
-    with fresh_database(postgres_server_url) as db:
-        # The test process talks to the workers directly, so the cluster uses its subject namespace.
-        spec = ClusterSpec(state_dir=tmp_path_factory.mktemp("cluster"), port=free_port(), api_key=API_KEY,
-                           admin_key=ADMIN_KEY, workers=2, nats_url=nats_url, database_url=db,
-                           namespace=subjects.PREFIX, heartbeat_ttl_s=3.0)
-        state = start_cluster(spec)
-        try:
-            deploy_model(state, "tiny", tiny_checkpoint, min_instances=1, max_instances=1, keep_alive_s=600)
-            yield state
-        finally:
-            stop_processes(state.processes)
+    # The test process talks to the workers directly, so the cluster uses its subject namespace.
+    with running_cluster(postgres_server_url, tiny_checkpoint, dict(min_instances=1, max_instances=1,
+                                                                    keep_alive_s=600),
+                         state_dir=tmp_path_factory.mktemp("cluster"), api_key=API_KEY, admin_key=ADMIN_KEY,
+                         workers=2, nats_url=nats_url, namespace=subjects.PREFIX, heartbeat_ttl_s=3.0) as state:
+        yield state
 
 
 def cluster_view(cluster) -> dict:

@@ -20,9 +20,14 @@ from collections.abc import Sequence
 import torch
 
 
-def kv_bytes_per_slot(config, n_layers: int, max_seq_len: int, dtype: torch.dtype) -> int:
+def _kv_heads_and_dim(config) -> tuple[int, int]:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return kv_heads, head_dim
+
+
+def kv_bytes_per_slot(config, n_layers: int, max_seq_len: int, dtype: torch.dtype) -> int:
+    kv_heads, head_dim = _kv_heads_and_dim(config)
     return 2 * n_layers * kv_heads * max_seq_len * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -31,8 +36,7 @@ class SlotKVCache:
                  device: torch.device, dtype: torch.dtype):
         if slots < 1:
             raise ValueError("a KV cache needs at least one slot")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        kv_heads, head_dim = _kv_heads_and_dim(config)
         self.layer_start, self.layer_end = layer_start, layer_end
         self.slots, self.max_seq_len = slots, max_seq_len
         shape = (slots, kv_heads, max_seq_len, head_dim)
@@ -72,12 +76,13 @@ class BatchView:
         self.cache, self.slots, self.q_len = cache, slots, q_len
         self.starts = [cache.lengths[s] for s in slots]
         self.kv_len = max(self.starts) + q_len
-        self._index = torch.tensor(slots, device=cache.device)
         self._contiguous = len(slots) == 1  # one row: slice instead of gather (no copy)
+        # Built once per forward pass, not once per layer.
+        self._index = torch.tensor(slots, device=cache.device)
+        self._starts = torch.tensor(self.starts, device=cache.device)
 
     def position_ids(self) -> torch.Tensor:
-        base = torch.tensor(self.starts, device=self.cache.device).unsqueeze(1)
-        return base + torch.arange(self.q_len, device=self.cache.device).unsqueeze(0)
+        return self._starts.unsqueeze(1) + torch.arange(self.q_len, device=self.cache.device).unsqueeze(0)
 
     def masks(self, layer_types: set[str], sliding_window: int | None) -> dict[str, torch.Tensor | None]:
         """Boolean masks [batch, 1, q, kv] (True: attend) per attention type; None where plain causal suffices.
@@ -112,9 +117,8 @@ class BatchView:
             return keys[s:s + 1, :, : self.kv_len], values[s:s + 1, :, : self.kv_len]
         if self.q_len != 1:
             raise ValueError("batched forward passes decode one token per row")
-        pos = torch.tensor(self.starts, device=keys.device)
-        keys[self._index, :, pos] = key[:, :, 0]
-        values[self._index, :, pos] = value[:, :, 0]
+        keys[self._index, :, self._starts] = key[:, :, 0]
+        values[self._index, :, self._starts] = value[:, :, 0]
         return keys[self._index, :, : self.kv_len], values[self._index, :, : self.kv_len]
 
     def commit(self) -> None:

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 import zlib
 from collections.abc import Iterator, Sequence
@@ -42,6 +41,7 @@ from libs.planning.multicast import (
     star_schedule,
     step_bound_s,
 )
+from services.cli.cluster import healthy
 from services.cli.emulation import EmulatedCluster
 
 ALGORITHMS = ("star", "binary-tree", "chain", "binomial")
@@ -161,12 +161,8 @@ def _wait_health(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: fl
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"data-plane node exited ({proc.returncode}): {log_path.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
+        if healthy(url):
+            return
         time.sleep(0.1)
     raise RuntimeError(f"{url} not healthy within {timeout_s}s: {log_path.read_text()[-2000:]}")
 
