@@ -63,6 +63,10 @@ METRICS_WORKER = f"{PREFIX}.metrics.worker"
 # EVENT ScaleRequest (load-monitor -> planner): desired instances for a model
 SCALE_REQUEST = f"{PREFIX}.scale.request"
 
+# Periodic traffic: a message on one of these that starts a trace is not traced (it would
+# bury the request and scale-operation traces); inside a traced operation it still is.
+QUIET_SUBJECTS = (EVENT_HEARTBEAT, METRICS_GATEWAY, METRICS_WORKER, REGISTRY_CLUSTER, REGISTRY_MODEL_LIST)
+
 
 # --- per worker ---------------------------------------------------------------
 def worker_command(worker_id: str) -> str:

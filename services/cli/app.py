@@ -62,18 +62,20 @@ def convert(hf_dir: Path, out_dir: Path, blocks: int = typer.Option(..., "--bloc
     console.print(f"{index.arch}: {index.n_layers} layers in {index.n_blocks} blocks at {out_dir}")
 
 
-def _admin(state: ClusterState, method: str, path: str, body: dict | None = None) -> httpx.Response:
-    return httpx.request(method, state.gateway_url + path, json=body, timeout=30,
-                         headers={"Authorization": f"Bearer {state.admin_key}"})
+def _admin(gateway_url: str, admin_key: str, method: str, path: str, body: dict | None = None) -> httpx.Response:
+    return httpx.request(method, gateway_url.rstrip("/") + path, json=body, timeout=30,
+                         headers={"Authorization": f"Bearer {admin_key}"})
 
 
-def deploy_model(state: ClusterState, name: str, path: Path, min_instances: int = 0, max_instances: int = 4,
-                 keep_alive_s: float = 60.0) -> dict:
-    r = _admin(state, "POST", "/admin/v1/models", {
+def deploy_model(state: ClusterState | tuple[str, str], name: str, path: Path, min_instances: int = 0,
+                 max_instances: int = 4, keep_alive_s: float = 60.0) -> dict:
+    """Deploy through the admin API of a local cluster (its state) or of any gateway (url, admin key)."""
+    url, key = (state.gateway_url, state.admin_key) if isinstance(state, ClusterState) else state
+    r = _admin(url, key, "POST", "/admin/v1/models", {
         "name": name, "path": str(path.resolve()), "min_instances": min_instances, "max_instances": max_instances,
         "keep_alive_s": keep_alive_s})
     if r.status_code == 409:
-        return _admin(state, "GET", f"/admin/v1/models/{name}").json()
+        return _admin(url, key, "GET", f"/admin/v1/models/{name}").json()
     if r.status_code >= 400:
         raise ClusterError(r.json().get("error", {}).get("message", r.text))
     return r.json()
@@ -81,10 +83,19 @@ def deploy_model(state: ClusterState, name: str, path: Path, min_instances: int 
 
 @model_app.command("deploy")
 def deploy(name: str, path: Path, min_instances: int = 0, max_instances: int = 4, keep_alive: float = 60.0,
-           state_dir: Path = StateDir) -> None:
-    """Deploy a converted checkpoint on the running cluster (admin API)."""
+           state_dir: Path = StateDir,
+           gateway_url: str = typer.Option(None, envvar="LAYERCAST_GATEWAY_URL",
+                                           help="A gateway to deploy on (default: the local cluster's)."),
+           admin_key: str = typer.Option(None, envvar="LAYERCAST_ADMIN_KEY", help="With --gateway-url.")) -> None:
+    """Deploy a converted checkpoint on a running cluster (admin API). PATH is as the workers see it."""
     try:
-        info = deploy_model(ClusterState.load(state_dir), name, path, min_instances, max_instances, keep_alive)
+        if gateway_url:
+            if not admin_key:
+                _fail("--gateway-url needs --admin-key (or LAYERCAST_ADMIN_KEY)")
+            target = (gateway_url, admin_key)
+        else:
+            target = ClusterState.load(state_dir)
+        info = deploy_model(target, name, path, min_instances, max_instances, keep_alive)
     except (ClusterError, httpx.HTTPError) as e:
         _fail(str(e))
     console.print(f"deployed {info['name']} ({len(info['blocks'])} blocks) from {info['path']}")

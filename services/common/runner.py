@@ -6,6 +6,7 @@ import signal
 import time
 from collections.abc import Callable, Coroutine
 
+from libs.protocol import subjects
 from libs.protocol.bus import make_broker, start_broker
 
 from libs.telemetry import HealthServer, setup_logging, setup_tracing
@@ -65,7 +66,7 @@ async def serve(service: Service, health_host: str, health_port: int | None) -> 
 def run(service_factory: Callable[[], Service], health_host: str, health_port: int | None) -> None:
     service = service_factory()
     setup_logging(service.name)
-    setup_tracing(service.name)
+    setup_tracing(service.name, subjects.QUIET_SUBJECTS)
     asyncio.run(serve(service, health_host, health_port))
 
 

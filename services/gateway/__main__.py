@@ -5,6 +5,7 @@ import os
 
 import uvicorn
 
+from libs.protocol import subjects
 from libs.telemetry import setup_logging, setup_tracing
 from services.gateway.app import create_app
 from services.gateway.service import GatewayConfig, GatewayService
@@ -27,7 +28,7 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=int(env("LAYERCAST_MAX_CONTEXT", "2048")))
     a = p.parse_args()
     setup_logging("gateway")
-    setup_tracing("gateway")
+    setup_tracing("gateway", subjects.QUIET_SUBJECTS)
     config = GatewayConfig(queue_timeout_s=a.queue_timeout, slots_per_instance=a.slots_per_instance,
                            max_context=a.max_context)
     app = create_app(GatewayService(config), _keys(env("LAYERCAST_API_KEYS"), "LAYERCAST_API_KEYS"),

@@ -297,7 +297,11 @@ class GatewayService(Service):
 
     async def start_generation(self, entry: ModelEntry, prompt_ids: list[int], sampling: m.SamplingSpec,
                                stops: list[str]) -> Generation:
-        """Admit, route and dispatch; errors here are HTTP errors (nothing streamed yet)."""
+        """Admit, route and dispatch; errors here are HTTP errors (nothing streamed yet).
+
+        One trace per request: under FastAPI's server span (which continues a client's
+        `traceparent`), `gateway.generate` lasts until the stream ends and `gateway.queue`
+        is the wait for an instance slot."""
         started = time.perf_counter()
         span = _tracer.start_span("gateway.generate", attributes={
             "layercast.model": entry.info.name, "layercast.prompt_tokens": len(prompt_ids)})
@@ -305,7 +309,10 @@ class GatewayService(Service):
         try:
             with trace.use_span(span):
                 for attempt in range(3):
-                    route = await entry.routes.acquire(self.config.queue_timeout_s)
+                    with _tracer.start_as_current_span("gateway.queue", attributes={
+                            "layercast.model": entry.info.name, "layercast.attempt": attempt}) as queued:
+                        route = await entry.routes.acquire(self.config.queue_timeout_s)
+                        queued.set_attribute("layercast.instance", route.instance_id)
                     self._demand.set()
                     request_id = uuid.uuid4().hex
                     gen = Generation(self, entry, route, request_id, len(prompt_ids), stops, started, span)

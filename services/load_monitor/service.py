@@ -8,18 +8,24 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from prometheus_client import Gauge
+from opentelemetry import trace
+from opentelemetry.context import Context
+from prometheus_client import Counter, Gauge
 
 from libs.planning.policies import ConcurrencyPolicy, MetricsSample, concurrency_policy
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import call, on_event, publish
+from libs.telemetry import tracer
 from services.common.runner import EndedInstances, Service
 
 log = logging.getLogger(__name__)
 
 DESIRED = Gauge("layercast_load_monitor_desired_instances", "Instances the policy asks for", ["model"])
 DEMAND = Gauge("layercast_load_monitor_demand_requests", "Queued plus in-flight requests", ["model"])
+SCALE_REQUESTS = Counter("layercast_load_monitor_scale_requests_total", "Scale requests sent to the planner",
+                         ["model", "direction"])
+_tracer = tracer("load_monitor")
 
 
 @dataclass
@@ -108,8 +114,17 @@ class LoadMonitorService(Service):
                       if desired > current else
                       f"idle for {now - (w.last_request_at or now):.1f}s (keep-alive {w.model.keep_alive_s}s)")
             log.info("scale %s: %d -> %d (%s)", name, current, desired, reason)
-            await publish(self.broker, subjects.SCALE_REQUEST, m.ScaleRequest(model=name, desired_instances=desired,
-                                                                              reason=reason))
+            direction = "up" if desired > current else "down"
+            SCALE_REQUESTS.labels(name, direction).inc()
+            # The root of the scale operation's trace: the planner, the workers' loads and
+            # transfers and the instances becoming ready all hang under it. A root even when the
+            # tick runs inside a (quiet, untraced) metrics handler.
+            with _tracer.start_as_current_span("load_monitor.scale_request", context=Context(),
+                                               kind=trace.SpanKind.PRODUCER, attributes={
+                    "layercast.model": name, "layercast.direction": direction, "layercast.from_instances": current,
+                    "layercast.to_instances": desired, "layercast.reason": reason}):
+                await publish(self.broker, subjects.SCALE_REQUEST,
+                              m.ScaleRequest(model=name, desired_instances=desired, reason=reason))
             w.last_sent = (desired, now)
 
     async def _tick_loop(self) -> None:

@@ -14,6 +14,7 @@ import uuid
 from collections import defaultdict
 
 from opentelemetry import trace
+from prometheus_client import Counter, Gauge, Histogram
 
 from libs.planning.placement import Candidate, Held, LiveInstance, pick_targets, pick_victims
 from libs.protocol import messages as m
@@ -24,6 +25,13 @@ from services.common.runner import Service
 
 log = logging.getLogger(__name__)
 _tracer = tracer("planner")
+
+SCALE_OPS = Counter("layercast_planner_scale_operations_total", "Scale operations finished",
+                    ["model", "direction", "outcome"])
+SCALE_DURATION = Histogram("layercast_planner_scale_operation_duration_seconds",
+                           "Scale decision (load-monitor) to the operation's end: every target ready or failed",
+                           ["model", "direction"], buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300))
+OPEN_OPS = Gauge("layercast_planner_open_scale_operations", "Scale-ups waiting for their instances")
 
 LIVE = (m.InstanceState.loading, m.InstanceState.ready)
 
@@ -36,6 +44,7 @@ class PlannerService(Service):
         self.drain_timeout_s = drain_timeout_s
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._open_ops: dict[str, m.ScaleOpInfo] = {}  # scale_op_id -> op waiting for instances
+        self._op_spans: dict[str, trace.Span] = {}  # scale_op_id -> its span, ended with the op
         self._waiting: dict[str, str] = {}  # instance_id -> scale_op_id
         self._load: dict[str, int] = {}  # worker_id -> running requests (worker metrics)
         self._subscribe()
@@ -86,11 +95,17 @@ class PlannerService(Service):
                            state="running", timings={"decided": req.sent_at, "planned": time.time()},
                            plan={"kind": "local-load", "targets": targets,
                                  "blocks": [0, len(model.blocks)]})
-        with _tracer.start_as_current_span("planner.scale_up", attributes={
-                "layercast.model": model.name, "layercast.scale_op": op.scale_op_id,
-                "layercast.targets": ",".join(targets)}):
+        # The span lasts as long as the operation: it ends when the last target is ready (or failed),
+        # in whichever event handler sees that, so the trace shows the operation's real duration.
+        span = _tracer.start_span("planner.scale_up", attributes={
+            "layercast.model": model.name, "layercast.scale_op": op.scale_op_id, "layercast.mode": op.plan["kind"],
+            "layercast.targets": ",".join(targets), "layercast.from_instances": op.from_instances,
+            "layercast.to_instances": op.to_instances})
+        self._op_spans[op.scale_op_id] = span
+        with trace.use_span(span, end_on_exit=False):
             await self._record(op)
             self._open_ops[op.scale_op_id] = op
+            OPEN_OPS.set(len(self._open_ops))
             for worker_id in targets:
                 instance_id = f"inst-{uuid.uuid4().hex[:12]}"
                 stage = m.Stage(worker_id=worker_id, block_start=0, block_end=len(model.blocks))
@@ -148,16 +163,34 @@ class PlannerService(Service):
                                                                                         reason=str(e)))
             op = op.model_copy(update={"state": "done", "timings": {**op.timings, "done": time.time()}})
             await self._record(op)
+            self._observe_end(op, "done")
             log.info("scale-down %s of %s: %d -> %d (%s)", op.scale_op_id, model, len(live), desired, req.reason)
         return op
+
+    @staticmethod
+    def _observe_end(op: m.ScaleOpInfo, outcome: str) -> None:
+        SCALE_OPS.labels(op.model, op.direction, outcome).inc()
+        decided = op.timings.get("decided") or op.timings.get("planned")
+        if decided:
+            SCALE_DURATION.labels(op.model, op.direction).observe(max(0.0, op.timings["done"] - decided))
 
     async def _maybe_close(self, scale_op_id: str) -> None:
         if any(op == scale_op_id for op in self._waiting.values()):
             return
         op = self._open_ops.pop(scale_op_id, None)
+        OPEN_OPS.set(len(self._open_ops))
+        span = self._op_spans.pop(scale_op_id, None)
         if op is not None:
             done = op.model_copy(update={"state": "done", "timings": {**op.timings, "done": time.time()}})
             await self._record(done)
+            ready = sum(1 for k in done.timings if k.startswith("ready:"))
+            outcome = "done" if ready == done.to_instances - done.from_instances else "partial" if ready else "failed"
+            self._observe_end(done, outcome)
+            if span is not None:
+                span.set_attribute("layercast.instances_ready", ready)
+                span.set_attribute("layercast.outcome", outcome)
+        if span is not None:
+            span.end()
 
     def _subscribe(self) -> None:
         b = self.broker
@@ -180,7 +213,11 @@ class PlannerService(Service):
                 key = f"ready:{inst.instance_id}" if inst.state == m.InstanceState.ready else \
                     f"failed:{inst.instance_id}"
                 op.timings[key] = inst.ready_at or time.time()
-                trace.get_current_span().add_event(key)
+                span = self._op_spans.get(op_id)
+                if span is not None:
+                    span.add_event("instance_ready" if key.startswith("ready:") else "instance_failed",
+                                   {"layercast.instance": inst.instance_id,
+                                    "layercast.worker": inst.entry_worker})
             await self._maybe_close(op_id)
 
         @b.subscriber(subjects.EVENT_MODEL)

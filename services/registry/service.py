@@ -5,12 +5,18 @@ import asyncio
 import logging
 import time
 
+from prometheus_client import Counter, Gauge
+
 from libs.db.engine import make_engine, migrate
 from libs.db.store import RegistryStore
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import DomainError, on_event, publish, rpc
 from services.common.runner import Service
+
+WORKERS = Gauge("layercast_registry_workers", "Registered workers with a live heartbeat")
+INSTANCES = Gauge("layercast_registry_instances", "Live instances per model and state", ["model", "state"])
+EXPIRED = Counter("layercast_registry_worker_expirations_total", "Workers declared dead (heartbeats stopped)")
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +53,26 @@ class RegistryService(Service):
             await asyncio.sleep(min(1.0, self.heartbeat_ttl_s / 3))
             try:
                 await self.expire_once()
+                await self.update_gauges()
             except Exception:
                 log.exception("heartbeat expiry pass failed")
+
+    async def update_gauges(self) -> None:
+        WORKERS.set(len(await self.store.list_workers()))
+        counts: dict[tuple[str, str], int] = {}
+        for inst in await self.store.list_instances():
+            key = (inst.model, inst.state.value)
+            counts[key] = counts.get(key, 0) + 1
+        INSTANCES.clear()  # a model that scaled to zero must read 0, not its last count
+        for model in await self.store.list_models():
+            INSTANCES.labels(model.name, "ready").set(0)
+        for (model, state), n in counts.items():
+            INSTANCES.labels(model, state).set(n)
 
     async def expire_once(self) -> list[m.WorkerInfo]:
         dead = await self.store.expire_workers(time.time() - self.heartbeat_ttl_s)
         if dead:
+            EXPIRED.inc(len(dead))
             failed = await self.store.stop_instances_on([w.worker_id for w in dead])
             for w in dead:
                 log.warning("worker %s expired (no heartbeat for %.1fs)", w.worker_id, self.heartbeat_ttl_s)

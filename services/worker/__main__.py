@@ -14,6 +14,9 @@ def main() -> None:
     p.add_argument("--worker-id", default=env("LAYERCAST_WORKER_ID", socket.gethostname()))
     p.add_argument("--data-host", default=env("LAYERCAST_DATA_HOST", "127.0.0.1"))
     p.add_argument("--data-port", type=int, default=int(env("LAYERCAST_DATA_PORT", "0")))
+    p.add_argument("--data-advertise-host", default=env("LAYERCAST_DATA_ADVERTISE_HOST") or None,
+                   help="the address other workers dial (default: the data host, or this host's address "
+                        "when the data host is a wildcard such as 0.0.0.0)")
     p.add_argument("--host", default=env("LAYERCAST_TOPOLOGY_HOST", socket.gethostname()))
     p.add_argument("--leaf", default=env("LAYERCAST_TOPOLOGY_LEAF", "leaf-0"))
     p.add_argument("--scaleup-group", default=env("LAYERCAST_TOPOLOGY_SCALEUP_GROUP", ""))
@@ -39,7 +42,8 @@ def main() -> None:
     p.add_argument("--health-port", type=int, default=int(env("LAYERCAST_HEALTH_PORT", "0")))
     a = p.parse_args()
     config = WorkerConfig(
-        worker_id=a.worker_id, data_host=a.data_host, data_port=a.data_port, host=a.host, leaf=a.leaf,
+        worker_id=a.worker_id, data_host=a.data_host, data_port=a.data_port,
+        data_advertise_host=a.data_advertise_host, host=a.host, leaf=a.leaf,
         scaleup_group=a.scaleup_group, link_gbps=a.link_gbps,
         host_capacity_bytes=int(a.host_capacity_gb * (1 << 30)),
         host_arena_bytes=int(a.host_arena_gb * (1 << 30)),

@@ -32,7 +32,7 @@ from libs.engine import Engine, SamplingParams, TokenOutput
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import DomainError, call, on_event, publish, rpc
-from libs.telemetry import tracer
+from libs.telemetry import tracer, unsampled
 from libs.transfer.base import Transport, TransferError
 from libs.transfer.tcp import TcpTransport
 from services.common.runner import Service
@@ -45,9 +45,20 @@ _tracer = tracer("worker")
 
 TOKENS = Counter("layercast_worker_generated_tokens_total", "Tokens generated", ["model"])
 BLOCK_BYTES = Counter("layercast_worker_block_load_bytes_total", "Bytes of blocks made ready", ["tier"])
-LOAD_GBPS = Gauge("layercast_worker_load_bandwidth_gbps", "Measured load bandwidth (moving average)", ["link"])
+LOAD_BANDWIDTH = Gauge("layercast_worker_load_bandwidth_bytes_per_second", "Measured load bandwidth (moving average)",
+                       ["link"])
 BANDWIDTH_EWMA_ALPHA = 0.3  # weight of the newest load in the per-link moving average
 RUNNING = Gauge("layercast_worker_running_requests", "Requests running on this worker")
+
+
+def advertised_data_host(c: "WorkerConfig") -> str:
+    """The data-plane address peers dial. A wildcard bind (0.0.0.0 in a container) cannot be
+    dialled, so it advertises this host's own address (the pod or container IP)."""
+    if c.data_advertise_host:
+        return c.data_advertise_host
+    if c.data_host in ("0.0.0.0", "::", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return c.data_host
 
 
 @dataclass
@@ -55,6 +66,7 @@ class WorkerConfig:
     worker_id: str
     data_host: str = "127.0.0.1"
     data_port: int = 0
+    data_advertise_host: str | None = None  # what peers dial; None: see advertised_data_host()
     host: str = field(default_factory=socket.gethostname)
     leaf: str = "leaf-0"
     scaleup_group: str = ""
@@ -131,6 +143,7 @@ class _Request:
     reply_subject: str
     span: trace.Span
     next_index: int = 0
+    streamed: bool = False  # a token went out (its hop is in the trace)
 
 
 class WorkerService(Service):
@@ -176,7 +189,7 @@ class WorkerService(Service):
         old = self.bandwidths_gbps.get(link)
         new = measured if old is None else (1 - BANDWIDTH_EWMA_ALPHA) * old + BANDWIDTH_EWMA_ALPHA * measured
         self.bandwidths_gbps[link] = new
-        LOAD_GBPS.labels(link).set(new)
+        LOAD_BANDWIDTH.labels(link).set(new * 1e9)
 
     async def start(self) -> None:
         if self.config.torch_threads:
@@ -207,7 +220,7 @@ class WorkerService(Service):
     def _make_transport(self, loop: asyncio.AbstractEventLoop) -> Transport:
         c = self.config
         if c.transport == "tcp":
-            return TcpTransport(c.worker_id, c.data_host, c.data_port)
+            return TcpTransport(c.worker_id, c.data_host, c.data_port, advertise_host=advertised_data_host(c))
         if c.transport != "rdma":
             raise ValueError(f"unknown transport {c.transport!r}: tcp or rdma")
         from libs.transfer.rdma import RdmaTransport, rdma_available
@@ -281,6 +294,7 @@ class WorkerService(Service):
             pinned: list[tuple[str, int]] = []  # this load's pins; the instance releases them when it stops
             on_gpu: list[int] = []
             attached = False
+            loaded_bytes = 0
             try:
                 index = await asyncio.to_thread(CheckpointIndex.load, cmd.path)
                 for b in wanted:
@@ -321,7 +335,10 @@ class WorkerService(Service):
                         raise RuntimeError("instance stopped while loading")
                     seconds = time.perf_counter() - t0
                     BLOCK_BYTES.labels(tier.value).inc(device_buf.numel())
-                    span.add_event("block", {"block": b, "from_tier": tier.value, "bytes": device_buf.numel()})
+                    span.add_event("block_ready", {"layercast.block": b, "layercast.from_tier": tier.value,
+                                                   "layercast.bytes": device_buf.numel()})
+                    loaded_bytes += device_buf.numel()
+                    span.set_attribute("layercast.bytes", loaded_bytes)
                     on_gpu.append(b)
                     await self._block_event(cmd.model, b, m.Tier.gpu, m.ReplicaState.ready,
                                             device_buf.numel(), seconds, cmd.scale_op_id)
@@ -408,8 +425,12 @@ class WorkerService(Service):
                                   prompt_tokens=out.prompt_tokens)
                 self._tokens_since += 1
                 TOKENS.labels(req.model).inc()
+            # A request's trace shows the first and the last token's hop back to the gateway; the
+            # ones between still carry its traceparent but unsampled (no spans per token).
+            traced = not req.streamed or ev.finished
+            req.streamed = True
             req.next_index += 1
-            with trace.use_span(req.span):
+            with trace.use_span(req.span if traced else unsampled(req.span)):
                 await publish(self.broker, req.reply_subject, ev)
             if ev.finished:
                 req.span.set_attribute("layercast.completion_tokens", req.next_index)
