@@ -18,7 +18,7 @@ def main() -> None:
                    help="the address other workers dial (default: the data host, or this host's address "
                         "when the data host is a wildcard such as 0.0.0.0)")
     p.add_argument("--host", default=env("LAYERCAST_TOPOLOGY_HOST", socket.gethostname()))
-    p.add_argument("--leaf", default=env("LAYERCAST_TOPOLOGY_LEAF", "leaf-0"))
+    p.add_argument("--leaf", default=env("LAYERCAST_TOPOLOGY_LEAF") or "leaf-0")  # k8s: "" without a zone label
     p.add_argument("--scaleup-group", default=env("LAYERCAST_TOPOLOGY_SCALEUP_GROUP", ""))
     p.add_argument("--link-gbps", type=float, default=float(env("LAYERCAST_LINK_GBPS", "10")))
     p.add_argument("--host-capacity-gb", type=float, default=float(env("LAYERCAST_HOST_CAPACITY_GB", "8")))
