@@ -46,6 +46,7 @@ class Model(Base):
     max_instances: Mapped[int] = mapped_column(Integer)
     keep_alive_s: Mapped[float] = mapped_column(Float)
     max_queue: Mapped[int] = mapped_column(Integer)
+    scaling_mode: Mapped[str] = mapped_column(String(32), default="layercast")
     state: Mapped[str] = mapped_column(String(16), index=True)  # deployed | deleted
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 

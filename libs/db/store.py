@@ -50,6 +50,7 @@ def _model_info(row: Model, blocks: list[ModelBlock]) -> m.ModelInfo:
         max_instances=row.max_instances,
         keep_alive_s=row.keep_alive_s,
         max_queue=row.max_queue,
+        scaling_mode=row.scaling_mode,
         state=row.state,
         created_at=to_ts(row.created_at),
     )
@@ -147,6 +148,7 @@ class RegistryStore:
             row.total_bytes = sum(b.nbytes for b in req.blocks)
             row.min_instances, row.max_instances = req.min_instances, req.max_instances
             row.keep_alive_s, row.max_queue = req.keep_alive_s, req.max_queue
+            row.scaling_mode = req.scaling_mode
             row.state, row.created_at = "deployed", to_dt(time.time())
             blocks = [ModelBlock(model=req.name, **b.model_dump()) for b in req.blocks]
             s.add_all(blocks)

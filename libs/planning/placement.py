@@ -6,7 +6,7 @@ memory, then its own disk) starts it faster than one that must read the
 shared checkpoint.
 """
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 # Nearer tiers first; a block held in several tiers counts in its nearest.
@@ -41,6 +41,18 @@ def locality(block_bytes: Mapping[int, int], held: Iterable[Held], worker_id: st
     for block_id, rank in nearest.items():
         per_tier[rank] += block_bytes[block_id]
     return tuple(per_tier)
+
+
+def full_copies(block_ids: Collection[int], held: Iterable[Held], workers: Iterable[str],
+                tier: str = "host") -> list[str]:
+    """The workers (in the given order) holding every block in `tier`: the sources a
+    multicast can send from (the data plane sends from the host tier)."""
+    have: dict[str, set[int]] = {}
+    for h in held:
+        if h.tier == tier:
+            have.setdefault(h.worker_id, set()).add(h.block_id)
+    wanted = set(block_ids)
+    return [w for w in workers if wanted <= have.get(w, set())]
 
 
 def pick_targets(block_bytes: Mapping[int, int], candidates: Iterable[Candidate], held: Iterable[Held],

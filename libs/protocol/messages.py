@@ -116,6 +116,11 @@ class BlockInfo(BaseModel):
     layer_end: int
 
 
+# How a deployment scales out (libs.planning.scaleout): layercast's own choice, or a
+# baseline run in the same system.
+ScalingMode = Literal["layercast", "chain", "binomial", "faasnet", "serverlessllm", "static", "ideal"]
+
+
 class DeployModel(Message):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-/]+$")
     path: str
@@ -126,6 +131,7 @@ class DeployModel(Message):
     max_instances: int = Field(default=4, ge=1)
     keep_alive_s: float = Field(default=60.0, ge=0)
     max_queue: int = Field(default=256, ge=1)
+    scaling_mode: ScalingMode = "layercast"
 
 
 class ModelInfo(DeployModel):

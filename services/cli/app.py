@@ -68,12 +68,12 @@ def _admin(gateway_url: str, admin_key: str, method: str, path: str, body: dict 
 
 
 def deploy_model(state: ClusterState | tuple[str, str], name: str, path: Path, min_instances: int = 0,
-                 max_instances: int = 4, keep_alive_s: float = 60.0) -> dict:
+                 max_instances: int = 4, keep_alive_s: float = 60.0, scaling_mode: str = "layercast") -> dict:
     """Deploy through the admin API of a local cluster (its state) or of any gateway (url, admin key)."""
     url, key = (state.gateway_url, state.admin_key) if isinstance(state, ClusterState) else state
     r = _admin(url, key, "POST", "/admin/v1/models", {
         "name": name, "path": str(path.resolve()), "min_instances": min_instances, "max_instances": max_instances,
-        "keep_alive_s": keep_alive_s})
+        "keep_alive_s": keep_alive_s, "scaling_mode": scaling_mode})
     if r.status_code == 409:
         return _admin(url, key, "GET", f"/admin/v1/models/{name}").json()
     if r.status_code >= 400:
@@ -86,7 +86,9 @@ def deploy(name: str, path: Path, min_instances: int = 0, max_instances: int = 4
            state_dir: Path = StateDir,
            gateway_url: str = typer.Option(None, envvar="LAYERCAST_GATEWAY_URL",
                                            help="A gateway to deploy on (default: the local cluster's)."),
-           admin_key: str = typer.Option(None, envvar="LAYERCAST_ADMIN_KEY", help="With --gateway-url.")) -> None:
+           admin_key: str = typer.Option(None, envvar="LAYERCAST_ADMIN_KEY", help="With --gateway-url."),
+           scaling_mode: str = typer.Option("layercast", help="layercast | chain | binomial | faasnet | "
+                                                                 "serverlessllm | static | ideal")) -> None:
     """Deploy a converted checkpoint on a running cluster (admin API). PATH is as the workers see it."""
     try:
         if gateway_url:
@@ -95,7 +97,7 @@ def deploy(name: str, path: Path, min_instances: int = 0, max_instances: int = 4
             target = (gateway_url, admin_key)
         else:
             target = ClusterState.load(state_dir)
-        info = deploy_model(target, name, path, min_instances, max_instances, keep_alive)
+        info = deploy_model(target, name, path, min_instances, max_instances, keep_alive, scaling_mode)
     except (ClusterError, httpx.HTTPError) as e:
         _fail(str(e))
     console.print(f"deployed {info['name']} ({len(info['blocks'])} blocks) from {info['path']}")

@@ -24,61 +24,24 @@ import uuid
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from libs.planning.multicast import (
-    Transfer,
-    binary_tree_schedule,
-    chain_bound_s,
-    chain_schedule,
     execution_pipelines,
-    kway_schedule,
     kway_subgroups,
-    node_parts,
     pipeline_ready_steps,
     schedule_steps,
-    star_schedule,
     step_bound_s,
 )
+from libs.planning.scaleout import ALGORITHMS, MulticastPlan, build_plan, plan_bound_s
 from services.cli.cluster import healthy
 from services.cli.emulation import EmulatedCluster
 
-ALGORITHMS = ("star", "binary-tree", "chain", "binomial")
 DATA_PORT = 7700
 HEALTH_PORT = 7701
 
 
-@dataclass(frozen=True)
-class Plan:
-    algorithm: str
-    k: int
-    schedule: list[Transfer]
-    chains: list[list[int]] | None = None  # chain plans: the node runs, sources first
-
-
-def build_plan(algorithm: str, n_nodes: int, n_blocks: int, k: int) -> Plan:
-    """The schedule of one algorithm over nodes 0..N-1, sources 0..k-1."""
-    if algorithm == "star":
-        return Plan(algorithm, 1, star_schedule(n_nodes, n_blocks))
-    if algorithm == "binary-tree":
-        return Plan(algorithm, 1, binary_tree_schedule(n_nodes, n_blocks))
-    if algorithm == "binomial":
-        return Plan(algorithm, k, kway_schedule(n_nodes, n_blocks, k))
-    if algorithm == "chain":
-        # BlitzScale: one chain per source over its share of the targets.
-        chains = [[i, *group] for i, group in enumerate(kway_subgroups(n_nodes, k))]
-        return Plan(algorithm, k, chain_schedule(chains, n_blocks), chains)
-    raise ValueError(f"unknown algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
-
-
-def schedule_bound(plan: Plan, n_blocks: int, total_bytes: int, rate: float, chunk_bytes: int) -> float:
-    if plan.chains is not None:
-        return max(chain_bound_s(len(c), total_bytes, chunk_bytes, rate) for c in plan.chains)
-    return step_bound_s(schedule_steps(plan.schedule), n_blocks, total_bytes, rate)
-
-
-def first_copy_s(plan: Plan, n_nodes: int, n_blocks: int, arrived: dict[int, dict[int, float]],
+def first_copy_s(plan: MulticastPlan, n_nodes: int, n_blocks: int, arrived: dict[int, dict[int, float]],
                  t0: float) -> tuple[float, int] | None:
     """k > 1: when the first execution pipeline (λScale Alg. 2) jointly held every block, and at which step."""
     if plan.k < 2:
@@ -110,34 +73,28 @@ class _Controller:
             self.reports.setdefault(ev.transfer_id, {})[ev.worker_id] = ev
             self.arrived.set()
 
-    async def run(self, plan: Plan, names: Sequence[str], addresses: dict[str, str], sizes: Sequence[int],
+    async def run(self, plan: MulticastPlan, names: Sequence[str], addresses: dict[str, str], sizes: Sequence[int],
                   checksums: Sequence[int], chunk_bytes: int, timeout_s: float) -> tuple[float, dict]:
         from libs.protocol import messages as m
         from libs.protocol import subjects
         from libs.protocol.bus import call
 
-        n = len(names)
-        parts = node_parts(plan.schedule, n)
+        from services.common.transfer_parts import transfer_parts
+
         tid = f"{plan.algorithm}-k{plan.k}-{uuid.uuid4().hex[:8]}"
         blocks = [m.BlockInfo(block_id=b, nbytes=sz, checksum=f"{checksums[b]:08x}", layer_start=b, layer_end=b + 1)
                   for b, sz in enumerate(sizes)]
-        involved = [v for v in range(n) if parts[v].sends or parts[v].receives]
-        sources = set(range(plan.k))
+        parts = transfer_parts(plan, names, addresses, blocks, transfer_id=tid, model="synthetic",
+                               chunk_bytes=chunk_bytes, stall_timeout_s=timeout_s)
+        involved = list(parts)
+        sources = set(names[: plan.k])
         t0 = 0.0
-        for v in sorted(involved, key=lambda v: v in sources):  # receivers first: the clock starts at the sources
-            part = parts[v]
-            peers = {names[t.dst]: addresses[names[t.dst]] for t in part.sends}
-            peers |= {names[t.src]: addresses[names[t.src]] for t in part.receives}
-            cmd = m.TransferPart(
-                transfer_id=tid, model="synthetic", algorithm=plan.algorithm, blocks=blocks, peers=peers,
-                sends=[m.TransferHop(step=t.step, peer=names[t.dst], block=t.block) for t in part.sends],
-                receives=[m.TransferHop(step=t.step, peer=names[t.src], block=t.block) for t in part.receives],
-                chunk_bytes=chunk_bytes, stall_timeout_s=timeout_s)
-            if v in sources and not t0:
+        for name, cmd in parts.items():  # receivers first: the clock starts at the sources
+            if name in sources and not t0:
                 t0 = time.time()
-            ack = await call(self.broker, subjects.worker_command(names[v]), cmd, m.CommandAck, timeout=10.0)
+            ack = await call(self.broker, subjects.worker_command(name), cmd, m.CommandAck, timeout=10.0)
             if not ack.accepted:
-                raise RuntimeError(f"{names[v]} refused its part: {ack.detail}")
+                raise RuntimeError(f"{name} refused its part: {ack.detail}")
         deadline = time.monotonic() + timeout_s
         while len(self.reports.get(tid, {})) < len(involved):
             self.arrived.clear()
@@ -244,7 +201,7 @@ def run_multicast_benchmark(nodes: int = 8, size_mb: float = 256, blocks: int = 
     chunk = chunk_kib << 10
     plans = [build_plan(a, nodes, blocks, k) for a in algorithms for k in (ks if a in ("chain", "binomial") else [1])]
     # Generous: the slowest schedule (star) at a third of the link rate.
-    timeout_s = timeout_s or max(60.0, 3 * max(schedule_bound(p, blocks, total, rate, chunk) for p in plans))
+    timeout_s = timeout_s or max(60.0, 3 * max(plan_bound_s(p, blocks, total, rate, chunk) for p in plans))
     with ExitStack() as stack:
         cluster = stack.enter_context(EmulatedCluster(nodes, link_mbit, cpu_quota=cpu_quota, mtu=mtu)) \
             if emulate else None
@@ -256,7 +213,7 @@ def run_multicast_benchmark(nodes: int = 8, size_mb: float = 256, blocks: int = 
     for p in plans:
         runs = trials[(p.algorithm, p.k)]
         med = sorted(runs, key=lambda r: r["completion_s"])[len(runs) // 2]
-        bound = schedule_bound(p, blocks, total, rate, chunk)
+        bound = plan_bound_s(p, blocks, total, rate, chunk)
         entry = {
             "algorithm": p.algorithm, "k": p.k,
             "completion_s": round(med["completion_s"], 4),

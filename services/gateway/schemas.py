@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from libs.protocol import messages as m
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -85,3 +87,4 @@ class DeployRequest(_Body):
     max_instances: int = Field(default=4, ge=1)
     keep_alive_s: float = Field(default=60.0, ge=0)
     max_queue: int = Field(default=256, ge=1)
+    scaling_mode: m.ScalingMode = "layercast"

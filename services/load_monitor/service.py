@@ -34,15 +34,19 @@ class ModelWindow:
     samples: deque[MetricsSample] = field(default_factory=lambda: deque(maxlen=1200))
     last_request_at: float | None = None
     last_sent: tuple[int, float] | None = None  # (desired, when)
+    below_since: float | None = None  # since when the policy has wanted fewer instances than run
 
 
 class LoadMonitorService(Service):
     name = "load_monitor"
 
     def __init__(self, nats_url: str | None = None, tick_s: float = 0.1, window_s: float = 10.0,
-                 target_concurrency: int = 8, resend_s: float = 2.0):
+                 target_concurrency: int = 8, resend_s: float = 2.0, scale_down_delay_s: float = 0.0):
         super().__init__(nats_url)
         self.tick_s, self.window_s, self.resend_s = tick_s, window_s, resend_s
+        # A scale-in is asked for only once the policy has wanted it this long without a break
+        # (BlitzScale keeps it sub-second; longer damps flapping between bursts).
+        self.scale_down_delay_s = scale_down_delay_s
         self.target_concurrency = target_concurrency
         self.models: dict[str, ModelWindow] = {}
         self.live: dict[str, tuple[str, m.InstanceState]] = {}  # instance_id -> (model, state)
@@ -104,9 +108,15 @@ class LoadMonitorService(Service):
             desired = concurrency_policy(list(w.samples), self.policy(w.model), last_request_at=w.last_request_at)
             DESIRED.labels(name).set(desired)
             DEMAND.labels(name).set(w.samples[-1].in_flight)
+            if desired >= current:
+                w.below_since = None
             if desired == current:
                 w.last_sent = None
                 continue
+            if desired < current:
+                w.below_since = w.below_since or now
+                if now - w.below_since < self.scale_down_delay_s:
+                    continue
             # Repeat the request while the mismatch lasts (the planner reconciles idempotently).
             if w.last_sent and w.last_sent[0] == desired and now - w.last_sent[1] < self.resend_s:
                 continue

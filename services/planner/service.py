@@ -16,12 +16,14 @@ from collections import defaultdict
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
-from libs.planning.placement import Candidate, Held, LiveInstance, pick_targets, pick_victims
+from libs.planning.placement import Candidate, Held, LiveInstance, full_copies, pick_targets, pick_victims
+from libs.planning.scaleout import MulticastPlan, plan_nodes, scaleout_plan
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import RemoteError, call, on_event, publish
 from libs.telemetry import tracer
 from services.common.runner import Service
+from services.common.transfer_parts import transfer_parts
 
 log = logging.getLogger(__name__)
 _tracer = tracer("planner")
@@ -34,6 +36,11 @@ SCALE_DURATION = Histogram("layercast_planner_scale_operation_duration_seconds",
 OPEN_OPS = Gauge("layercast_planner_open_scale_operations", "Scale-ups waiting for their instances")
 
 LIVE = (m.InstanceState.loading, m.InstanceState.ready)
+TRANSFER_STALL_S = 15.0  # a receiver that gets no byte for this long fails its part (then loads from disk)
+
+
+def _stage(load: m.LoadModel, worker_id: str) -> m.Stage:
+    return m.Stage(worker_id=worker_id, block_start=load.block_start, block_end=load.block_end)
 
 
 class PlannerService(Service):
@@ -45,6 +52,8 @@ class PlannerService(Service):
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._open_ops: dict[str, m.ScaleOpInfo] = {}  # scale_op_id -> op waiting for instances
         self._op_spans: dict[str, trace.Span] = {}  # scale_op_id -> its span, ended with the op
+        # (scale_op_id, receiver) -> its LoadModel, sent once its part of the multicast has ended
+        self._after_transfer: dict[tuple[str, str], m.LoadModel] = {}
         self._waiting: dict[str, str] = {}  # instance_id -> scale_op_id
         self._load: dict[str, int] = {}  # worker_id -> running requests (worker metrics)
         self._subscribe()
@@ -58,6 +67,8 @@ class PlannerService(Service):
             desired = req.desired_instances
             if model is None:
                 desired = 0  # deleted (or never deployed): nothing may keep running
+            elif model.scaling_mode == "static":
+                desired = model.min_instances  # a fixed fleet: demand does not change it
             else:
                 desired = max(model.min_instances, min(desired, model.max_instances))
             live = [i for i in view.instances if i.model == req.model and i.state in LIVE]
@@ -81,8 +92,8 @@ class PlannerService(Service):
         for i in view.instances:
             for s in i.stages:
                 per_worker[s.worker_id] += 1
-        candidates = [Candidate(w.worker_id, self._load.get(w.worker_id, 0), per_worker[w.worker_id])
-                      for w in view.workers if w.state == "alive" and w.worker_id not in busy]
+        alive = {w.worker_id: w for w in view.workers if w.state == "alive"}
+        candidates = [Candidate(w, self._load.get(w, 0), per_worker[w]) for w in alive if w not in busy]
         held = [Held(r.worker_id, r.block_id, r.tier.value) for r in view.replicas
                 if r.model == model.name and r.state == m.ReplicaState.ready]
         block_bytes = {b.block_id: b.nbytes for b in model.blocks}
@@ -90,15 +101,28 @@ class PlannerService(Service):
         if not targets:
             log.warning("scale-up of %s to %d: no free worker", model.name, desired)
             return None
+        # Workers holding a whole copy (host or device tier) send it; a target that holds one
+        # itself loads it locally. The least loaded sources go first (they interfere least
+        # with serving, BlitzScale §5.2).
+        copies = full_copies(block_bytes, held, alive)
+        sources = sorted((w for w in copies if w not in targets), key=lambda w: self._load.get(w, 0))
+        receivers = [t for t in targets if t not in copies]
+        link_gbps = min(alive[w].topology.link_gbps for w in [*sources, *receivers]) if sources and receivers else 0
+        plan = scaleout_plan(model.scaling_mode, len(sources), len(receivers), model.total_bytes,
+                             len(model.blocks), link_gbps) if link_gbps else None
         op = m.ScaleOpInfo(scale_op_id=f"op-{uuid.uuid4().hex[:12]}", model=model.name, direction="up",
                            reason=req.reason, from_instances=len(live), to_instances=len(live) + len(targets),
                            state="running", timings={"decided": req.sent_at, "planned": time.time()},
-                           plan={"kind": "local-load", "targets": targets,
-                                 "blocks": [0, len(model.blocks)]})
+                           plan={"kind": "multicast" if plan else "local-load", "mode": model.scaling_mode,
+                                 "targets": targets, "blocks": [0, len(model.blocks)]})
+        if plan:
+            op.plan |= {"algorithm": plan.algorithm, "k": plan.k, "sources": sources[: plan.k],
+                        "receivers": receivers}
         # The span lasts as long as the operation: it ends when the last target is ready (or failed),
         # in whichever event handler sees that, so the trace shows the operation's real duration.
         span = _tracer.start_span("planner.scale_up", attributes={
             "layercast.model": model.name, "layercast.scale_op": op.scale_op_id, "layercast.mode": op.plan["kind"],
+            "layercast.scaling_mode": model.scaling_mode, "layercast.algorithm": op.plan.get("algorithm", ""),
             "layercast.targets": ",".join(targets), "layercast.from_instances": op.from_instances,
             "layercast.to_instances": op.to_instances})
         self._op_spans[op.scale_op_id] = span
@@ -106,32 +130,91 @@ class PlannerService(Service):
             await self._record(op)
             self._open_ops[op.scale_op_id] = op
             OPEN_OPS.set(len(self._open_ops))
+            loads = {}
             for worker_id in targets:
                 instance_id = f"inst-{uuid.uuid4().hex[:12]}"
-                stage = m.Stage(worker_id=worker_id, block_start=0, block_end=len(model.blocks))
+                loads[worker_id] = m.LoadModel(instance_id=instance_id, model=model.name, path=model.path,
+                                               block_start=0, block_end=len(model.blocks), scale_op_id=op.scale_op_id)
                 try:
                     created = await call(self.broker, subjects.REGISTRY_INSTANCE_CREATE, m.CreateInstance(
-                        instance_id=instance_id, model=model.name, stages=[stage], scale_op_id=op.scale_op_id),
-                        m.InstanceInfo)
-                    await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=created,
-                                                                                        reason=req.reason))
-                    self._waiting[instance_id] = op.scale_op_id
-                    ack = await call(self.broker, subjects.worker_command(worker_id), m.LoadModel(
-                        instance_id=instance_id, model=model.name, path=model.path, block_start=0,
-                        block_end=len(model.blocks), scale_op_id=op.scale_op_id), m.CommandAck, timeout=5.0)
-                    if not ack.accepted:
-                        raise RemoteError(subjects.worker_command(worker_id), m.ErrorReply(error=ack.detail))
-                    log.info("scale-up %s: %s loads %s (%s)", op.scale_op_id, worker_id, model.name, req.reason)
+                        instance_id=instance_id, model=model.name, stages=[_stage(loads[worker_id], worker_id)],
+                        scale_op_id=op.scale_op_id), m.InstanceInfo)
                 except (TimeoutError, RemoteError) as e:
-                    log.warning("scale-up %s: worker %s refused: %s", op.scale_op_id, worker_id, e)
-                    self._waiting.pop(instance_id, None)
-                    failed = m.InstanceInfo(instance_id=instance_id, model=model.name, stages=[stage],
-                                            state=m.InstanceState.failed, created_at=time.time(),
-                                            scale_op_id=op.scale_op_id)
-                    await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=failed,
-                                                                                        reason=str(e)))
+                    await self._load_failed(op, worker_id, loads.pop(worker_id), str(e))
+                    continue
+                await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=created,
+                                                                                    reason=req.reason))
+                self._waiting[instance_id] = op.scale_op_id
+            if plan and not await self._multicast(op, model, plan, sources, receivers, alive, loads):
+                op.plan["kind"] = "local-load"  # a worker refused its part: every target loads on its own
+            for worker_id, load in loads.items():
+                if (op.scale_op_id, worker_id) not in self._after_transfer:
+                    await self._command_load(op, worker_id, load)
             await self._maybe_close(op.scale_op_id)
         return op
+
+    async def _multicast(self, op: m.ScaleOpInfo, model: m.ModelInfo, plan: MulticastPlan, sources: list[str],
+                         receivers: list[str], alive: dict[str, m.WorkerInfo], loads: dict[str, m.LoadModel]) -> bool:
+        """Send every worker its part of the plan, receivers first. Each receiver's LoadModel
+        waits for its TransferReport (then its blocks are in its host tier). False when a worker
+        refused its part: nothing was sent yet by any source, and the caller loads locally."""
+        nodes = plan_nodes(plan, sources, receivers)
+        parts = transfer_parts(plan, nodes, {w: alive[w].data_address for w in nodes}, model.blocks,
+                               transfer_id=f"{op.scale_op_id}-{plan.algorithm}", model=model.name,
+                               stall_timeout_s=TRANSFER_STALL_S, scale_op_id=op.scale_op_id)
+        for worker_id in receivers:
+            if worker_id in loads:
+                self._after_transfer[(op.scale_op_id, worker_id)] = loads[worker_id]
+        for worker_id, part in parts.items():
+            try:
+                ack = await call(self.broker, subjects.worker_command(worker_id), part, m.CommandAck, timeout=5.0)
+                if not ack.accepted:
+                    raise RemoteError(subjects.worker_command(worker_id), m.ErrorReply(error=ack.detail))
+            except (TimeoutError, RemoteError) as e:
+                log.warning("scale-up %s: %s refused its %s part (%s); targets load on their own",
+                            op.scale_op_id, worker_id, plan.algorithm, e)
+                for r in receivers:
+                    self._after_transfer.pop((op.scale_op_id, r), None)
+                return False
+        op.timings["first_send"] = time.time()
+        log.info("scale-up %s: %s k=%d from %s to %s", op.scale_op_id, plan.algorithm, plan.k,
+                 ",".join(sources[: plan.k]), ",".join(receivers))
+        return True
+
+    async def _command_load(self, op: m.ScaleOpInfo, worker_id: str, load: m.LoadModel) -> None:
+        try:
+            ack = await call(self.broker, subjects.worker_command(worker_id), load, m.CommandAck, timeout=5.0)
+            if not ack.accepted:
+                raise RemoteError(subjects.worker_command(worker_id), m.ErrorReply(error=ack.detail))
+            log.info("scale-up %s: %s loads %s", op.scale_op_id, worker_id, load.model)
+        except (TimeoutError, RemoteError) as e:
+            log.warning("scale-up %s: worker %s refused: %s", op.scale_op_id, worker_id, e)
+            await self._load_failed(op, worker_id, load, str(e))
+
+    async def _load_failed(self, op: m.ScaleOpInfo, worker_id: str, load: m.LoadModel, reason: str) -> None:
+        self._waiting.pop(load.instance_id, None)
+        failed = m.InstanceInfo(instance_id=load.instance_id, model=load.model, stages=[_stage(load, worker_id)],
+                                state=m.InstanceState.failed, created_at=time.time(), scale_op_id=op.scale_op_id)
+        await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=failed, reason=reason))
+
+    async def _transferred(self, report: m.TransferReport) -> None:
+        """A receiver's part ended: it loads the model now, from its host tier (every block, or
+        what arrived before a failure; the rest it reads from its own disk)."""
+        if report.scale_op_id is None:
+            return
+        load = self._after_transfer.pop((report.scale_op_id, report.worker_id), None)
+        op = self._open_ops.get(report.scale_op_id)
+        if load is None or op is None:
+            return
+        if report.block_arrived_at:
+            first = min(report.block_arrived_at.values())
+            op.timings["first_block"] = min(op.timings.get("first_block", first), first)
+        op.timings[f"transferred:{report.worker_id}"] = report.finished_at
+        if not report.ok:
+            log.warning("scale-up %s: transfer to %s failed (%s); it loads what is missing from disk",
+                        op.scale_op_id, report.worker_id, report.error)
+        await self._command_load(op, report.worker_id, load)
+        await self._maybe_close(op.scale_op_id)
 
     async def _scale_down(self, model: str, live: list[m.InstanceInfo], desired: int,
                           req: m.ScaleRequest) -> m.ScaleOpInfo:
@@ -175,7 +258,8 @@ class PlannerService(Service):
             SCALE_DURATION.labels(op.model, op.direction).observe(max(0.0, op.timings["done"] - decided))
 
     async def _maybe_close(self, scale_op_id: str) -> None:
-        if any(op == scale_op_id for op in self._waiting.values()):
+        if any(op == scale_op_id for op in self._waiting.values()) or \
+                any(op == scale_op_id for op, _ in self._after_transfer):
             return
         op = self._open_ops.pop(scale_op_id, None)
         OPEN_OPS.set(len(self._open_ops))
@@ -219,6 +303,11 @@ class PlannerService(Service):
                                    {"layercast.instance": inst.instance_id,
                                     "layercast.worker": inst.entry_worker})
             await self._maybe_close(op_id)
+
+        @b.subscriber(subjects.EVENT_TRANSFER)
+        @on_event(m.TransferReport)
+        async def transferred(report: m.TransferReport) -> None:
+            await self._transferred(report)
 
         @b.subscriber(subjects.EVENT_MODEL)
         @on_event(m.ModelEvent)

@@ -1,0 +1,115 @@
+"""Scale-out by multicast, as processes: the planner moves a model's blocks from the worker
+holding a host copy to new workers over the data plane (the deployment's scaling mode picks
+the algorithm), each new worker loads from its host tier, and the gateway serves from all."""
+
+import asyncio
+import threading
+import uuid
+
+import httpx
+import pytest
+
+from conftest import running_cluster, wait_for
+from libs.protocol import messages as m
+from libs.protocol import subjects
+from libs.protocol.bus import make_broker, publish, start_broker
+
+pytestmark = pytest.mark.slow
+
+API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
+    # The test asks for the scale-out itself (as the load-monitor would), so the cluster uses its
+    # subject namespace; the load-monitor holds back scale-ins for the whole test.
+    with running_cluster(
+            postgres_server_url, tiny_checkpoint,
+            dict(min_instances=1, max_instances=3, keep_alive_s=600, scaling_mode="binomial"),
+            state_dir=tmp_path_factory.mktemp("cluster"), api_key=API_KEY, admin_key=ADMIN_KEY, workers=3,
+            nats_url=nats_url, namespace=subjects.PREFIX,
+            extra_env={"LAYERCAST_SCALE_DOWN_DELAY": "600"}) as state:
+        yield state
+
+
+def described(cluster) -> dict:
+    return httpx.get(f"{cluster.gateway_url}/admin/v1/models/tiny", timeout=10,
+                     headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+
+
+def ready_workers(cluster) -> set[str]:
+    return {i["stages"][0]["worker_id"] for i in described(cluster)["instances"] if i["state"] == "ready"}
+
+
+def worker_metrics(cluster) -> dict[str, str]:
+    return {p.name: httpx.get(p.health_url.replace("/health", "/metrics"), timeout=10).text
+            for p in cluster.processes if p.name.startswith("worker")}
+
+
+def sample(text: str, name: str, **labels) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}}" if labels else f"{name} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def ask_for(nats_url: str, desired: int) -> None:
+    broker = make_broker(nats_url)
+    await start_broker(broker)
+    try:
+        await publish(broker, subjects.SCALE_REQUEST, m.ScaleRequest(model="tiny", desired_instances=desired,
+                                                                     reason="test burst"))
+    finally:
+        await broker.stop()
+
+
+def test_a_scale_out_multicasts_from_the_host_copy_and_the_new_instances_serve(cluster, nats_url):
+    # min_instances=1: the first instance reads the checkpoint from disk and leaves a host copy.
+    first = wait_for(lambda: ready_workers(cluster), 60, "the first instance")
+    source = next(iter(first))
+    wait_for(lambda: sample(worker_metrics(cluster)[source], "layercast_worker_block_load_bytes_total",
+                            tier="ssd") > 0, 10, "the first load")  # process names are the worker ids
+
+    asyncio.run(ask_for(nats_url, 3))
+    workers = wait_for(lambda: w if len(w := ready_workers(cluster)) == 3 else None, 60, "three instances")
+    receivers = workers - first
+
+    op = next(o for o in described(cluster)["scale_ops"] if o["direction"] == "up" and o["from_instances"] == 1)
+    assert op["plan"]["kind"] == "multicast" and op["plan"]["algorithm"] == "binomial"
+    assert op["plan"]["sources"] == [source] and set(op["plan"]["receivers"]) == receivers
+    assert {k.split(":", 1)[1] for k in op["timings"] if k.startswith("transferred:")} == receivers
+    assert sum(k.startswith("ready:") for k in op["timings"]) == 2
+    assert op["timings"]["planned"] <= op["timings"]["first_send"] <= op["timings"]["first_block"]
+
+    # The new workers got every byte over the data plane and loaded from their host tier, not disk.
+    metrics = worker_metrics(cluster)
+    model_bytes = sum(b["nbytes"] for b in described(cluster)["blocks"])
+    for w in receivers:
+        text = metrics[w]
+        assert sample(text, "layercast_worker_transfer_bytes_total", algorithm="binomial",
+                      direction="received") == model_bytes
+        assert sample(text, "layercast_worker_block_load_bytes_total", tier="host") == model_bytes
+        assert sample(text, "layercast_worker_block_load_bytes_total", tier="ssd") == 0
+    sent = sum(sample(t, "layercast_worker_transfer_bytes_total", algorithm="binomial", direction="sent")
+               for t in metrics.values())
+    assert sent == 2 * model_bytes  # binomial: each byte crosses the network once per receiver
+
+    # The gateway routes to every instance (least loaded first): concurrent requests reach all three.
+    def burst():
+        errors = []
+
+        def one():
+            r = httpx.post(f"{cluster.gateway_url}/v1/completions", timeout=60,
+                           headers={"Authorization": f"Bearer {API_KEY}"},
+                           json={"model": "tiny", "prompt": f"hello {uuid.uuid4().hex}", "max_tokens": 64})
+            if r.status_code != 200:
+                errors.append(r.text)
+        threads = [threading.Thread(target=one) for _ in range(9)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert errors == []
+        return all(sample(t, "layercast_worker_generated_tokens_total", model="tiny") > 0
+                   for t in worker_metrics(cluster).values())
+
+    wait_for(burst, 60, "tokens generated on every worker")
