@@ -101,9 +101,9 @@ class PlannerService(Service):
         if not targets:
             log.warning("scale-up of %s to %d: no free worker", model.name, desired)
             return None
-        # Workers holding a whole copy (host or device tier) send it; a target that holds one
-        # itself loads it locally. The least loaded sources go first (they interfere least
-        # with serving, BlitzScale §5.2).
+        # Workers holding a whole copy in host memory send it (the data plane sends from the host
+        # tier); a target that holds one itself loads it locally. The least loaded sources go
+        # first (they interfere least with serving, BlitzScale §5.2).
         copies = full_copies(block_bytes, held, alive)
         sources = sorted((w for w in copies if w not in targets), key=lambda w: self._load.get(w, 0))
         receivers = [t for t in targets if t not in copies]
