@@ -1,20 +1,34 @@
-"""EmulatedCluster: connectivity, link rate caps, CPU quotas and cleanup.
+"""EmulatedCluster: connectivity, link rate caps, CPU quotas, disk read caps, the
+emulation profile (`layercast up --emulate`) and cleanup.
 
 Needs root, iproute2 and netns support; skipped with can_emulate()'s reason
 otherwise. Every test checks that nothing named with its prefix is left over.
 """
 
 import os
+import re
 import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from services.cli.emulation import CPU_CGROUP_ROOT, EmulatedCluster, EmulationError, can_emulate, cleanup_stale
+from services.cli.cluster import ClusterSpec, free_port, start_cluster, stop_processes, worker_args
+from services.cli.emulation import (
+    BLKIO_CGROUP_ROOT,
+    CPU_CGROUP_ROOT,
+    DEFAULT_PROFILE,
+    EmulatedCluster,
+    EmulationError,
+    EmulationProfile,
+    block_device_of,
+    can_emulate,
+    cleanup_stale,
+)
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -32,8 +46,9 @@ def leftovers(prefix: str) -> list[str]:
         name = line.split(":", 2)[1].strip().split("@")[0]
         if name.startswith(prefix):
             found.append(name)
-    if CPU_CGROUP_ROOT.is_dir():
-        found += [str(p) for p in CPU_CGROUP_ROOT.iterdir() if p.name.startswith(prefix)]
+    for root in (CPU_CGROUP_ROOT, BLKIO_CGROUP_ROOT):
+        if root.is_dir():
+            found += [str(p) for p in root.iterdir() if p.name.startswith(prefix)]
     found += [str(p) for p in Path("/run").glob(f"layercast-emu-{prefix}*.owner")]
     return found
 
@@ -301,3 +316,145 @@ def test_cpu_quota_caps_a_busy_loop():
         assert 0.1 <= cpu_s <= 0.35
     assert leftovers(prefix) == []
     assert os.path.exists(CPU_CGROUP_ROOT) and not cgroup.exists()
+
+
+# Reads a file with O_DIRECT (past the page cache, as the checkpoint loader does);
+# prints "<bytes> <seconds>".
+DIRECT_READ = r"""
+import mmap, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECT)
+buf = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT wants
+total, t0 = 0, time.monotonic()
+while n := os.readv(fd, [buf]):
+    total += n
+print(total, time.monotonic() - t0, flush=True)
+"""
+
+
+def _direct_read(popen, path: Path) -> tuple[int, float]:
+    proc = popen([sys.executable, "-c", DIRECT_READ, str(path)], stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    total, seconds = out.split()
+    return int(total), float(seconds)
+
+
+@pytest.mark.skipif(not (BLKIO_CGROUP_ROOT / "blkio.throttle.read_bps_device").exists(),
+                    reason="no cgroup v1 blkio controller")
+def test_disk_reads_are_capped_in_a_node_and_close_removes_the_blkio_groups(tmp_path):
+    try:
+        device = block_device_of(tmp_path)
+    except EmulationError as e:
+        pytest.skip(f"tmp dir not on a block device: {e}")
+    mbit, nbytes = 40, 10_000_000
+    data = tmp_path / "blob"
+    with open(data, "wb") as f:
+        f.write(os.urandom(nbytes))
+        f.flush()
+        os.fsync(f.fileno())
+
+    with EmulatedCluster(2, disk_read_mbit=mbit, disk_path=tmp_path) as cluster:
+        prefix = cluster.prefix
+        groups = [Path(n.blkio_cgroup) for n in cluster.nodes]
+        for g in groups:
+            assert (g / "blkio.throttle.read_bps_device").read_text().split() == [device, "5000000"]
+        total, seconds = _direct_read(lambda argv, **kw: cluster.popen(0, argv, **kw), data)
+        assert total == nbytes
+        ratio = total * 8 / seconds / (mbit * 1e6)
+        print(f"O_DIRECT read in a node: {total} B in {seconds:.3f} s = {ratio:.3f} x {mbit} Mbit/s")
+        assert 0.75 <= ratio <= 1.25
+
+        # The same read outside the emulated nodes is not capped.
+        total, outside_s = _direct_read(subprocess.Popen, data)
+        print(f"O_DIRECT read outside: {total * 8 / outside_s / 1e6:.0f} Mbit/s")
+        assert outside_s < seconds / 3
+
+        # A node's child sits in its node's blkio group (and in no other node's).
+        sleeper = cluster.popen(1, ["sleep", "60"])
+        deadline = time.monotonic() + 5
+        while str(sleeper.pid) not in (groups[1] / "cgroup.procs").read_text().split():
+            assert time.monotonic() < deadline, "child never joined its blkio group"
+            time.sleep(0.02)
+        assert str(sleeper.pid) not in (groups[0] / "cgroup.procs").read_text().split()
+        assert leftovers(prefix)
+    assert sleeper.poll() is not None
+    assert not any(g.exists() for g in groups)
+    assert leftovers(prefix) == []
+
+
+def test_disk_cap_needs_a_block_device_and_a_path():
+    with pytest.raises(ValueError, match="disk_path"):
+        EmulatedCluster(1, disk_read_mbit=40)
+    cluster = EmulatedCluster(1, disk_read_mbit=40, disk_path="/proc")  # procfs: no block device
+    with pytest.raises(EmulationError, match="no block device"):
+        cluster.start()
+    assert leftovers(cluster.prefix) == []
+
+
+def test_stale_blkio_groups_are_cleaned_up():
+    prefix = f"lc{uuid.uuid4().hex[:4]}"
+    (BLKIO_CGROUP_ROOT / f"{prefix}n0").mkdir()
+    try:
+        assert cleanup_stale(prefix) == [f"cgroup {BLKIO_CGROUP_ROOT / f'{prefix}n0'}"]
+    finally:
+        cleanup_stale(prefix)
+    assert leftovers(prefix) == []
+
+
+def test_profile_defaults_overrides_and_what_a_cluster_applies(tmp_path):
+    # The papers' ratios: network 10x disk, host->device 1.25x network.
+    assert DEFAULT_PROFILE == EmulationProfile(link_mbit=400, disk_read_mbit=40, host_to_device_mbit=500)
+    assert DEFAULT_PROFILE.describe() == ("links 400 Mbit/s, disk reads 40 Mbit/s, host->device 500 Mbit/s, "
+                                          "CPU uncapped")
+    # Command-line style: None keeps the default, 0 uncaps.
+    assert DEFAULT_PROFILE.with_overrides() == DEFAULT_PROFILE
+    p = DEFAULT_PROFILE.with_overrides(link_mbit=100, disk_read_mbit=0, host_to_device_mbit=0, cpu_quota=0.5)
+    assert p == EmulationProfile(link_mbit=100, disk_read_mbit=None, host_to_device_mbit=None, cpu_quota=0.5)
+    with pytest.raises(ValueError, match="link_mbit"):
+        DEFAULT_PROFILE.with_overrides(link_mbit=-1)
+
+    cluster = EmulatedCluster.from_profile(2, DEFAULT_PROFILE, disk_path=tmp_path)
+    assert cluster.profile == DEFAULT_PROFILE
+    assert all(n.blkio_cgroup and not n.cgroup for n in cluster.nodes)
+    # The old call style still works, and records what it applies.
+    assert EmulatedCluster(3, link_mbit=100, cpu_quota=0.5).profile == EmulationProfile(
+        link_mbit=100, disk_read_mbit=None, host_to_device_mbit=None, cpu_quota=0.5)
+
+
+def test_workers_get_the_host_to_device_rate_only_when_emulated(tmp_path):
+    spec = ClusterSpec(state_dir=tmp_path, workers=2)
+    cluster = EmulatedCluster(2, host_to_device_mbit=500)
+    args = worker_args(spec, 1, cluster)
+    assert args[args.index("--emulated-host-to-device-mbit") + 1] == "500"
+    assert args[args.index("--data-host") + 1] == cluster.nodes[1].ip
+    assert "--emulated-host-to-device-mbit" not in worker_args(spec, 1, EmulatedCluster(2))
+    assert "--emulated-host-to-device-mbit" not in worker_args(spec, 1)
+
+
+def test_up_rejects_emulation_flags_without_emulate(tmp_path):
+    from typer.testing import CliRunner
+
+    from services.cli.app import app
+
+    r = CliRunner().invoke(app, ["up", "--state-dir", str(tmp_path), "--disk-mbit", "40"])
+    assert r.exit_code == 1
+    assert "only apply with --emulate" in " ".join(r.output.split())  # rich wraps lines
+
+
+def test_emulated_cluster_start_runs_workers_with_the_profile(tmp_path):
+    """start_cluster under the default profile: each worker runs in its node's blkio group with the
+    host->device flag, and comes up healthy (it accepts the flag)."""
+    spec = ClusterSpec(state_dir=tmp_path, port=free_port(), workers=2, namespace=f"lcem{uuid.uuid4().hex[:6]}")
+    with EmulatedCluster.from_profile(2, DEFAULT_PROFILE, disk_path=tmp_path) as emulation:
+        prefix = emulation.prefix
+        state = start_cluster(spec, emulation=emulation)
+        try:
+            for i, node in enumerate(emulation.nodes):
+                pid = next(p.pid for p in state.processes if p.name == f"worker-{i}")
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                assert argv[argv.index(b"--emulated-host-to-device-mbit") + 1] == b"500"
+                assert re.search(rf"blkio[^:]*:/{node.blkio_cgroup.rsplit('/', 1)[1]}$",
+                                 Path(f"/proc/{pid}/cgroup").read_text(), re.M)
+        finally:
+            stop_processes(state.processes)
+    assert leftovers(prefix) == []

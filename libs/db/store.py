@@ -244,6 +244,8 @@ class RegistryStore:
                 s.add(row)
             elif row.state in ("stopped", "failed"):
                 return
+            elif info.state == m.InstanceState.loading and row.state != "loading":
+                return  # a late "loading" (the planner's) never undoes the worker's "ready"
             row.state = info.state.value
             if info.state == m.InstanceState.ready and row.ready_at is None:
                 row.ready_at = to_dt(info.ready_at or time.time())

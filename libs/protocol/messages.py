@@ -199,7 +199,8 @@ class InstanceInfo(Message):
     stages: list[Stage]
     state: InstanceState
     created_at: float
-    ready_at: float | None = None
+    ready_at: float | None = None  # serving (with serve-while-loading: from its first block)
+    loaded_at: float | None = None  # every block in engine memory
     scale_op_id: str | None = None
 
     @property
@@ -264,6 +265,31 @@ class LoadModel(Message):
     block_start: int
     block_end: int
     scale_op_id: str | None = None
+    # Blocks a running transfer is bringing: wait for them instead of reading them from disk
+    # (a failed transfer leaves the rest to the disk).
+    incoming_transfer: str | None = None
+    # The `ideal` scaling mode's lower bound: the blocks count as already in engine memory, so
+    # no host-to-device copy is paced (emulation) for them.
+    preheld: bool = False
+
+
+class FetchBlocks(Message):
+    """Planner -> worker: read blocks from disk into the host tier (the parameter pool, or an
+    `ideal` deployment's pre-held copy). `keep` pins them there until a ReleaseBlocks."""
+
+    op: Literal["fetch"] = "fetch"
+    model: str
+    path: str
+    blocks: list[int] = Field(min_length=1)
+    keep: bool = True
+
+
+class ReleaseBlocks(Message):
+    """Planner -> worker: blocks kept by a FetchBlocks may be evicted again."""
+
+    op: Literal["release"] = "release"
+    model: str
+    blocks: list[int] = Field(min_length=1)
 
 
 class UnloadModel(Message):
@@ -274,6 +300,9 @@ class UnloadModel(Message):
     instance_id: str
     drain_timeout_s: float = 30.0
     scale_op_id: str | None = None
+    # The blocks leave the host tier this long after the instance stops, unless in use again
+    # (the `serverlessllm` mode's host-cache keep-alive); None: only the LRU bound evicts them.
+    host_keep_alive_s: float | None = Field(default=None, ge=0)
 
 
 class TransferHop(BaseModel):
@@ -320,8 +349,10 @@ class TransferPart(Message):
         return self
 
 
-class WorkerCommand(RootModel[Annotated[LoadModel | UnloadModel | TransferPart, Field(discriminator="op")]]):
-    """What arrives on subjects.worker_command(...): a LoadModel, an UnloadModel or a TransferPart."""
+class WorkerCommand(RootModel[Annotated[LoadModel | UnloadModel | TransferPart | FetchBlocks | ReleaseBlocks,
+                                         Field(discriminator="op")]]):
+    """What arrives on subjects.worker_command(...): a LoadModel, an UnloadModel, a TransferPart,
+    a FetchBlocks or a ReleaseBlocks."""
 
 
 class CommandAck(Message):
@@ -354,6 +385,7 @@ class TransferReport(Message):
     started_at: float
     finished_at: float
     block_arrived_at: dict[int, float] = {}
+    first_byte_at: float | None = None  # the first received byte landed
     bytes_sent: int = 0
     bytes_received: int = 0
     scale_op_id: str | None = None

@@ -143,9 +143,18 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
        demo_blocks: int = typer.Option(4, help="Blocks of the demo model."),
        detach: bool = typer.Option(False, help="Return once healthy; stop it with 'layercast down'."),
        torch_threads: int = typer.Option(1, help="Torch threads per worker."),
-       emulate: bool = typer.Option(False, help="Root: each worker in its own network namespace with a capped link."),
-       link_mbit: float = typer.Option(None, "--link-mbit", help="With --emulate: each worker's link rate (tc tbf)."),
-       cpu_quota: float = typer.Option(None, "--cpu-quota", help="With --emulate: CPUs per worker (cgroup quota).")
+       emulate: bool = typer.Option(False, help="Root: emulate a cluster (default profile: 400 Mbit/s links, "
+                                                "40 Mbit/s disks, 500 Mbit/s host->device), each worker in its "
+                                                "own network namespace."),
+       link_mbit: float = typer.Option(None, "--link-mbit",
+                                       help="With --emulate: each worker's link rate (tc tbf); 0: not capped."),
+       disk_mbit: float = typer.Option(None, "--disk-mbit", help="With --emulate: each worker's disk read rate "
+                                                                 "(cgroup blkio, O_DIRECT reads); 0: not capped."),
+       host_to_device_mbit: float = typer.Option(None, "--host-to-device-mbit",
+                                                 help="With --emulate: host->device copy rate (paced by the "
+                                                      "workers); 0: not capped."),
+       cpu_quota: float = typer.Option(None, "--cpu-quota",
+                                       help="With --emulate: CPUs per worker (cgroup quota); 0: not capped.")
        ) -> None:
     """Start a dev cluster: NATS, database, the five services and N workers."""
     state_dir = state_dir.resolve()
@@ -157,8 +166,8 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
             _fail(f"--emulate needs root, iproute2 and network namespaces: {why}")
         if detach:
             _fail("--emulate runs in the foreground: the emulated network lives as long as this command")
-    elif link_mbit is not None or cpu_quota is not None:
-        _fail("--link-mbit and --cpu-quota only apply with --emulate")
+    elif any(v is not None for v in (link_mbit, disk_mbit, host_to_device_mbit, cpu_quota)):
+        _fail("--link-mbit, --disk-mbit, --host-to-device-mbit and --cpu-quota only apply with --emulate")
     try:
         existing = ClusterState.load(state_dir)
         if any(p["alive"] for p in cluster_status(state_dir)["processes"]):
@@ -171,12 +180,20 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
     with ExitStack() as stack:
         emulation = None
         if emulate:
-            from services.cli.emulation import EmulatedCluster
+            from services.cli.emulation import DEFAULT_PROFILE, EmulatedCluster, EmulationError
 
-            emulation = stack.enter_context(EmulatedCluster(workers, link_mbit, cpu_quota=cpu_quota))
+            try:
+                profile = DEFAULT_PROFILE.with_overrides(link_mbit=link_mbit, disk_read_mbit=disk_mbit,
+                                                         host_to_device_mbit=host_to_device_mbit,
+                                                         cpu_quota=cpu_quota)
+                # Disk caps apply to the disk holding the state dir: the demo checkpoints live there.
+                state_dir.mkdir(parents=True, exist_ok=True)
+                emulation = stack.enter_context(EmulatedCluster.from_profile(workers, profile, disk_path=state_dir))
+            except (ValueError, EmulationError) as e:
+                _fail(str(e))
+            console.print(f"emulated cluster profile: {profile.describe()}")
             console.print(f"emulated network: bridge {emulation.bridge} ({emulation.host_ip}), workers on "
-                          f"{', '.join(n.ip for n in emulation.nodes)}, links "
-                          f"{f'{link_mbit:g} Mbit/s' if link_mbit else 'uncapped'}")
+                          f"{', '.join(n.ip for n in emulation.nodes)}")
         _up(spec, state_dir, workers, demo, demo_preset, demo_blocks, detach, emulation)
 
 
@@ -184,6 +201,14 @@ def _up(spec: ClusterSpec, state_dir: Path, workers: int, demo: bool, demo_prese
         detach: bool, emulation) -> None:
     try:
         model_path = _demo_checkpoint(state_dir, demo_preset, demo_blocks) if demo else None
+        if model_path is not None and emulation is not None and emulation.profile.disk_read_mbit:
+            # A checkpoint just built sits in the page cache, where the loader reads it buffered,
+            # past the disk cap: evict it so the first load comes from the (capped) disk.
+            from libs.checkpoint.fastload import drop_page_cache
+
+            for f in model_path.iterdir():
+                if f.is_file():
+                    drop_page_cache(f)
         with console.status(f"starting NATS, database, services and {workers} workers"):
             state = start_cluster(spec, emulation=emulation)
     except ClusterError as e:

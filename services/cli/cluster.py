@@ -144,11 +144,27 @@ def _tail(path: str, lines: int = 30) -> str:
         return ""
 
 
+def worker_args(spec: ClusterSpec, i: int, emulation: "EmulatedCluster | None" = None) -> list[str]:
+    """Arguments of worker i after `-m services.worker` (not emulated, the caller adds a health port)."""
+    args = ["--worker-id", f"worker-{i}", "--torch-threads", str(spec.torch_threads)]
+    if emulation is not None:
+        ip = emulation.nodes[i].ip  # its data plane and health port live on its emulated link
+        args += ["--data-host", ip, "--health-host", ip, "--health-port", "8081"]
+        # No OS knob throttles a CPU worker's host -> engine memcpy: the worker paces it itself.
+        if emulation.profile.link_mbit:  # the planner's multicast choice needs the real link rate
+            args += ["--link-gbps", f"{emulation.profile.link_mbit / 1000:g}"]
+        if emulation.profile.host_to_device_mbit:
+            args += ["--emulated-host-to-device-mbit", f"{emulation.profile.host_to_device_mbit:g}"]
+    return args
+
+
 def start_cluster(spec: ClusterSpec, timeout_s: float = 120.0, emulation: "EmulatedCluster | None" = None) -> ClusterState:
     """Start every process; with `emulation`, worker i runs in emulated node i's namespace.
 
     Emulated workers reach NATS through the bridge, so the cluster then runs its own NATS
-    listening there (a NATS_URL on loopback would be out of their reach).
+    listening there (a NATS_URL on loopback would be out of their reach). They get the
+    emulation's host->device rate; its disk cap applies to the disk it was built with
+    (build it with disk_path=spec.state_dir: the demo checkpoints live there).
     """
     state_dir = spec.state_dir.resolve()
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -191,14 +207,12 @@ def start_cluster(spec: ClusterSpec, timeout_s: float = 120.0, emulation: "Emula
         service("planner", "services.planner")
         service("load-monitor", "services.load_monitor")
         for i in range(spec.workers):
-            args = ["--worker-id", f"worker-{i}", "--torch-threads", str(spec.torch_threads)]
+            args = worker_args(spec, i, emulation)
             if emulation is None:
                 service(f"worker-{i}", "services.worker", args)
             else:
-                ip = emulation.nodes[i].ip  # its data plane and health port live on its emulated link
-                launch(f"worker-{i}", "services.worker", [*args, "--data-host", ip, "--health-host", ip,
-                                                          "--health-port", "8081"], {},
-                       f"http://{ip}:8081/health", node=i)
+                ip = emulation.nodes[i].ip
+                launch(f"worker-{i}", "services.worker", args, {}, f"http://{ip}:8081/health", node=i)
         launch("gateway", "services.gateway", ["--port", str(spec.port)],
                {"LAYERCAST_API_KEYS": spec.api_key, "LAYERCAST_ADMIN_KEYS": spec.admin_key},
                f"http://127.0.0.1:{spec.port}/health")

@@ -1,17 +1,29 @@
 """Emulate a small cluster on one Linux machine: one network namespace per node,
 all joined by a Linux bridge, each node's link rate-capped with tc (both
-directions) and, optionally, its CPU capped with a cgroup v1 quota.
+directions) and, optionally, its CPU capped with a cgroup v1 quota and its disk
+reads with a cgroup v1 blkio throttle.
 
     with EmulatedCluster(3, link_mbit=100, cpu_quota=0.5) as cluster:
         proc = cluster.popen(0, [sys.executable, "-m", "worker", "--bind", cluster.nodes[0].ip])
+
+    # The papers' ratios (network ~10x disk): see EmulationProfile.
+    with EmulatedCluster.from_profile(3, DEFAULT_PROFILE, disk_path=state_dir) as cluster: ...
 
 Layout for prefix P (every name starts with P so `cleanup_stale(P)` finds it):
 
     root netns:  bridge Pbr (host_ip)  <- Ph<i> (veth, tbf = node i's download)
     netns Pn<i>: lo, Pv<i> (veth peer, node ip, tbf = node i's upload)
     cgroup:      /sys/fs/cgroup/cpu/Pn<i> (only with cpu_quota)
+    cgroup:      /sys/fs/cgroup/blkio/Pn<i> (only with disk_read_mbit)
 
-Needs root, iproute2 (`ip`, `tc`) and, for CPU caps, cgroup v1's cpu controller.
+Disk caps throttle reads from the whole disk holding `disk_path`; they only see
+I/O that reaches the disk, so page-cache hits are not slowed (the checkpoint
+loader reads with O_DIRECT). The host->device rate is not applied here: it is
+recorded in `profile` for the launcher to hand to workers, which pace the copy
+in software (libs/checkpoint/pacing.py).
+
+Needs root, iproute2 (`ip`, `tc`) and, for CPU and disk caps, cgroup v1's cpu
+and blkio controllers.
 Nothing is routed or NATed out of the subnet: nodes get no default route and
 forwarding is left as it is, so emulated traffic can never leave the machine.
 """
@@ -30,13 +42,14 @@ import signal
 import subprocess
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 CPU_CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
+BLKIO_CGROUP_ROOT = Path("/sys/fs/cgroup/blkio")
 CFS_PERIOD_US = 100_000
 # Ownership markers /run/layercast-emu-<prefix>.owner ("<pid> <starttime>") so
 # cleanup_stale() can tell a crashed run's leftovers from a cluster another live
@@ -54,12 +67,70 @@ class EmulationError(RuntimeError):
     """A command failed; the message carries the command line and its stderr."""
 
 
+def _check_cap(name: str, value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{name} must be > 0 or None")
+
+
+@dataclass(frozen=True)
+class EmulationProfile:
+    """Per-worker resources of an emulated cluster; None: not capped.
+
+    The defaults keep the papers' ratios: the network ~10x faster than the
+    disks, host->device (PCIe) ~1.25x the network (BlitzScale Table 1,
+    lambdaScale Table 1), scaled down so that a laptop's disk and memory are
+    faster than every emulated rate.
+    """
+
+    link_mbit: float | None = 400            # tc tbf on each worker's veth, both directions
+    disk_read_mbit: float | None = 40        # cgroup v1 blkio read throttle on the checkpoint disk
+    host_to_device_mbit: float | None = 500  # workers pace host tier -> engine copies in software
+    cpu_quota: float | None = None           # CPUs per worker (cgroup v1 cpu quota)
+
+    def __post_init__(self) -> None:
+        for name in ("link_mbit", "disk_read_mbit", "host_to_device_mbit", "cpu_quota"):
+            _check_cap(name, getattr(self, name))
+
+    def with_overrides(self, *, link_mbit: float | None = None, disk_read_mbit: float | None = None,
+                       host_to_device_mbit: float | None = None, cpu_quota: float | None = None
+                       ) -> EmulationProfile:
+        """This profile with the given values replaced: None keeps a value, 0 uncaps it (command-line style)."""
+        given = dict(link_mbit=link_mbit, disk_read_mbit=disk_read_mbit, host_to_device_mbit=host_to_device_mbit,
+                     cpu_quota=cpu_quota)
+        return replace(self, **{k: (v or None) for k, v in given.items() if v is not None})
+
+    def describe(self) -> str:
+        def rate(v: float | None) -> str:
+            return f"{v:g} Mbit/s" if v else "uncapped"
+        cpu = f"{self.cpu_quota:g} per worker" if self.cpu_quota else "uncapped"
+        return (f"links {rate(self.link_mbit)}, disk reads {rate(self.disk_read_mbit)}, "
+                f"host->device {rate(self.host_to_device_mbit)}, CPU {cpu}")
+
+
+DEFAULT_PROFILE = EmulationProfile()
+
+
 @dataclass(frozen=True)
 class EmulatedNode:
     index: int
     netns: str          # network namespace name
     ip: str             # the node's address on the bridge
     cgroup: str | None  # cgroup v1 cpu group path if a CPU quota is set
+    blkio_cgroup: str | None = None  # cgroup v1 blkio group path if disk reads are capped
+
+
+def block_device_of(path: str | os.PathLike) -> str:
+    """"major:minor" of the whole disk holding `path`: the kernel throttles whole
+    disks only, so a partition is mapped to its parent disk."""
+    st_dev = os.stat(path).st_dev
+    dev = f"{os.major(st_dev)}:{os.minor(st_dev)}"
+    sysfs = Path("/sys/dev/block") / dev
+    if not sysfs.exists():
+        raise EmulationError(f"{path} is on device {dev}, which is no block device (tmpfs, overlayfs, a "
+                             "btrfs subvolume, a network filesystem?): disk throttling needs it on a real disk")
+    if (sysfs / "partition").exists():
+        dev = (sysfs.resolve().parent / "dev").read_text().strip()
+    return dev
 
 
 def _run(cmd: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -212,13 +283,16 @@ def _delete_netns(netns: str) -> bool:
 
 class EmulatedCluster:
     def __init__(self, n_nodes: int, link_mbit: float | None = None, *, cpu_quota: float | None = None,
-                 mtu: int = 9000, prefix: str | None = None, subnet: str | None = None) -> None:
+                 disk_read_mbit: float | None = None, disk_path: str | os.PathLike | None = None,
+                 host_to_device_mbit: float | None = None, mtu: int = 9000, prefix: str | None = None,
+                 subnet: str | None = None) -> None:
         if n_nodes < 1:
             raise ValueError("n_nodes must be >= 1")
-        if link_mbit is not None and link_mbit <= 0:
-            raise ValueError("link_mbit must be > 0 or None")
-        if cpu_quota is not None and cpu_quota <= 0:
-            raise ValueError("cpu_quota must be > 0 or None")
+        # What is applied (validated there); callers read e.g. profile.host_to_device_mbit.
+        self.profile = EmulationProfile(link_mbit=link_mbit, disk_read_mbit=disk_read_mbit,
+                                        host_to_device_mbit=host_to_device_mbit, cpu_quota=cpu_quota)
+        if disk_read_mbit is not None and disk_path is None:
+            raise ValueError("disk_read_mbit needs disk_path (a path on the disk holding the checkpoints)")
         if not 68 <= mtu <= 65535:
             raise ValueError("mtu must be in 68..65535")
         self.prefix = prefix or "lc" + uuid.uuid4().hex[:4]
@@ -229,6 +303,9 @@ class EmulatedCluster:
         self.n_nodes = n_nodes
         self.link_mbit = link_mbit
         self.cpu_quota = cpu_quota
+        self.disk_read_mbit = disk_read_mbit
+        self.disk_path = disk_path
+        self.disk_device: str | None = None  # "major:minor", resolved by start()
         self.mtu = mtu
         self.bridge = f"{self.prefix}br"
 
@@ -243,13 +320,21 @@ class EmulatedCluster:
         self.nodes: list[EmulatedNode] = []
         for i in range(n_nodes):
             cgroup = str(CPU_CGROUP_ROOT / f"{self.prefix}n{i}") if cpu_quota is not None else None
-            self.nodes.append(EmulatedNode(i, f"{self.prefix}n{i}", str(next(hosts)), cgroup))
+            blkio = str(BLKIO_CGROUP_ROOT / f"{self.prefix}n{i}") if disk_read_mbit is not None else None
+            self.nodes.append(EmulatedNode(i, f"{self.prefix}n{i}", str(next(hosts)), cgroup, blkio))
 
         # What start() actually created, in order, so close() undoes exactly
         # that (and never something of the same name it did not make).
         self._made: list[tuple[str, str, str | None]] = []
         self._children: list[subprocess.Popen] = []
         self._started = False
+
+    @classmethod
+    def from_profile(cls, n_nodes: int, profile: EmulationProfile, disk_path: str | os.PathLike | None = None,
+                     **kwargs: Any) -> EmulatedCluster:
+        """A cluster applying `profile`; disk_path: where the checkpoints live (with a disk cap)."""
+        return cls(n_nodes, profile.link_mbit, cpu_quota=profile.cpu_quota, disk_read_mbit=profile.disk_read_mbit,
+                   disk_path=disk_path, host_to_device_mbit=profile.host_to_device_mbit, **kwargs)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -264,13 +349,17 @@ class EmulatedCluster:
             log.debug("start of %s failed; undoing what was made", self.prefix)
             self.close()
             raise
-        log.debug("cluster %s up: %d nodes on %s, %s Mbit/s, cpu %s", self.prefix, self.n_nodes, self.subnet,
-                  self.link_mbit, self.cpu_quota)
+        log.debug("cluster %s up: %d nodes on %s, %s", self.prefix, self.n_nodes, self.subnet,
+                  self.profile.describe())
         return self
 
     def _create(self) -> None:
         if self.cpu_quota is not None and not (CPU_CGROUP_ROOT / "cpu.cfs_quota_us").exists():
             raise EmulationError(f"cpu_quota needs cgroup v1's cpu controller at {CPU_CGROUP_ROOT}")
+        if self.disk_read_mbit is not None:
+            if not (BLKIO_CGROUP_ROOT / "blkio.throttle.read_bps_device").exists():
+                raise EmulationError(f"disk_read_mbit needs cgroup v1's blkio controller at {BLKIO_CGROUP_ROOT}")
+            self.disk_device = block_device_of(self.disk_path)
         if any(self.subnet.overlaps(u) for u in _used_networks()):
             raise EmulationError(f"subnet {self.subnet} overlaps an existing route")
 
@@ -316,6 +405,12 @@ class EmulatedCluster:
                 (cg / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
                 # The kernel refuses quotas under 1 ms.
                 (cg / "cpu.cfs_quota_us").write_text(str(max(1000, round(self.cpu_quota * CFS_PERIOD_US))))
+            if node.blkio_cgroup is not None:
+                cg = Path(node.blkio_cgroup)
+                cg.mkdir()
+                self._made.append(("cgroup", node.blkio_cgroup, None))
+                bytes_per_s = int(self.disk_read_mbit * 1e6 / 8)
+                (cg / "blkio.throttle.read_bps_device").write_text(f"{self.disk_device} {bytes_per_s}")
         # The bridge keeps the MTU we set even as ports join (kernel >= 4.17);
         # re-set it in case an older kernel lowered it to a port's.
         _run(["ip", "link", "set", self.bridge, "mtu", str(self.mtu)])
@@ -376,10 +471,10 @@ class EmulatedCluster:
     # -- running things in nodes -------------------------------------------
 
     def popen(self, index: int, argv: list[str], **popen_kwargs: Any) -> subprocess.Popen:
-        """Start argv inside node `index`: its netns and, with a quota, its cgroup.
+        """Start argv inside node `index`: its netns and, with caps, its cgroups.
 
-        The shell joins the cgroup and then execs, so the quota applies from the
-        first instruction of `ip netns exec` and argv. The cgroup is joined
+        The shell joins the cgroups and then execs, so the caps apply from the
+        first instruction of `ip netns exec` and argv. The cgroups are joined
         before `ip netns exec` because that remounts /sys, hiding
         /sys/fs/cgroup from the command it runs. The child leads a new process
         group, which close() kills.
@@ -388,9 +483,10 @@ class EmulatedCluster:
             raise EmulationError("cluster not started")
         node = self.nodes[index]
         cmd = ["ip", "netns", "exec", node.netns, *argv]
-        if node.cgroup is not None:
-            procs = str(Path(node.cgroup) / "cgroup.procs")
-            cmd = ["sh", "-c", 'echo $$ > "$1" && shift && exec "$@"', "sh", procs, *cmd]
+        procs = [str(Path(cg) / "cgroup.procs") for cg in (node.cgroup, node.blkio_cgroup) if cg is not None]
+        if procs:
+            join = " && ".join(f'echo $$ > "${k}"' for k in range(1, len(procs) + 1))
+            cmd = ["sh", "-c", f'{join} && shift {len(procs)} && exec "$@"', "sh", *procs, *cmd]
         popen_kwargs.setdefault("start_new_session", True)
         log.debug("node %d: %s", index, shlex.join(argv))
         proc = subprocess.Popen(cmd, **popen_kwargs)
@@ -399,7 +495,7 @@ class EmulatedCluster:
 
 
 def cleanup_stale(prefix: str = "lc") -> list[str]:
-    """Remove network namespaces, root-namespace links and cpu cgroups whose
+    """Remove network namespaces, root-namespace links and cpu/blkio cgroups whose
     names start with `prefix`, left behind by runs that crashed. Clusters whose
     owning process is still alive are left alone. Returns what was removed."""
     if len(prefix) < 2:
@@ -420,10 +516,11 @@ def cleanup_stale(prefix: str = "lc") -> list[str]:
         name = parts[1].strip().split("@")[0] if len(parts) > 2 else ""
         if stale(name) and _run(["ip", "link", "del", name], check=False).returncode == 0:
             removed.append(f"link {name}")
-    if CPU_CGROUP_ROOT.is_dir():
-        for path in sorted(CPU_CGROUP_ROOT.iterdir()):
-            if path.is_dir() and stale(path.name) and _remove_cgroup(path):
-                removed.append(f"cgroup {path}")
+    for root in (CPU_CGROUP_ROOT, BLKIO_CGROUP_ROOT):
+        if root.is_dir():
+            for path in sorted(root.iterdir()):
+                if path.is_dir() and stale(path.name) and _remove_cgroup(path):
+                    removed.append(f"cgroup {path}")
     for marker in MARKER_DIR.glob(MARKER_GLOB):
         if stale(_marker_prefix(marker)):
             marker.unlink(missing_ok=True)
@@ -456,4 +553,7 @@ def can_emulate() -> tuple[bool, str]:
         return False, f"missing kernel support: {e}"
     finally:
         _delete_netns(probe)
+    if not (BLKIO_CGROUP_ROOT / "blkio.throttle.read_bps_device").exists():
+        # Not fatal: everything but disk caps works.
+        return True, f"ok (no cgroup v1 blkio controller at {BLKIO_CGROUP_ROOT}: disk reads cannot be capped)"
     return True, "ok"

@@ -32,6 +32,8 @@ ITL = Histogram("layercast_gateway_inter_token_seconds", "Time between streamed 
 QUEUE_DEPTH = Gauge("layercast_gateway_queue_depth", "Requests waiting for an instance slot", ["model"])
 IN_FLIGHT = Gauge("layercast_gateway_in_flight_requests", "Requests dispatched to instances", ["model"])
 INSTANCES = Gauge("layercast_gateway_instances", "Ready instances routed to", ["model"])
+HANDOVERS = Counter("layercast_gateway_handovers_total",
+                    "Requests moved to another instance mid-generation (theirs failed or stopped)", ["model"])
 GENERATED = Counter("layercast_gateway_completion_tokens_total", "Completion tokens streamed", ["model"])
 
 
@@ -58,6 +60,9 @@ class GatewayConfig:
     resync_interval_s: float = 5.0
 
 
+MAX_HANDOVERS = 2  # per request: a request that loses three instances fails
+
+
 @dataclass
 class Piece:
     """One step of a generation as clients see it."""
@@ -72,9 +77,12 @@ class Generation:
     """A dispatched request: iterate it for Pieces; always `close()` it."""
 
     def __init__(self, gw: "GatewayService", entry: ModelEntry, route: Route, request_id: str,
-                 prompt_len: int, stops: list[str], started: float, span: trace.Span):
+                 prompt_ids: list[int], sampling: m.SamplingSpec, stops: list[str], started: float, span: trace.Span):
         self.gw, self.entry, self.route, self.request_id = gw, entry, route, request_id
-        self.prompt_len, self.started, self.span = prompt_len, started, span
+        self.prompt_ids, self.sampling = prompt_ids, sampling
+        self.prompt_len, self.started, self.span = len(prompt_ids), started, span
+        self.token_ids: list[int] = []  # generated so far: a hand-over recomputes their KV elsewhere
+        self.handovers = 0
         self.queue: asyncio.Queue[m.TokenEvent] = asyncio.Queue()
         self.detok = IncrementalDetokenizer(entry.tokenizer)
         self.stops = StopMatcher(stops)
@@ -90,14 +98,22 @@ class Generation:
             try:
                 ev = await asyncio.wait_for(self.queue.get(), timeout)
             except TimeoutError:
+                if await self._hand_over(f"instance {self.route.instance_id} stopped responding"):
+                    continue
                 raise APIError(503, f"instance {self.route.instance_id} stopped responding", code="worker_timeout",
                                retry_after=1) from None
             if ev.error is not None:
+                if await self._hand_over(ev.error):
+                    continue
                 raise APIError(503, f"generation failed: {ev.error}", code="generation_failed", retry_after=1)
+            if ev.index < expected:
+                continue  # a token the instance handed over from had sent already
             if ev.index != expected:
                 raise APIError(503, f"token stream lost tokens (got {ev.index}, expected {expected})",
                                code="stream_broken", retry_after=1)
             expected += 1
+            if ev.token_id is not None:
+                self.token_ids.append(ev.token_id)
             now = time.perf_counter()
             if last is None:
                 ttft = now - self.started
@@ -124,6 +140,30 @@ class Generation:
                 self.finished = True
             if text or finish is not None:
                 yield Piece(text, finish, self.prompt_len, self.completion_tokens)
+
+    async def _hand_over(self, why: str) -> bool:
+        """Its instance failed or was stopped: go on on another instance, which recomputes the
+        KV cache of the prompt and the tokens so far (the client sees one unbroken stream)."""
+        if self.handovers >= MAX_HANDOVERS or self.finished:
+            return False
+        self.handovers += 1
+        old = self.route
+        await publish(self.gw.broker, subjects.worker_cancel(old.worker_id), m.CancelRequest(request_id=self.request_id))
+        self.entry.routes.release(old)
+        while not self.queue.empty():
+            self.queue.get_nowait()  # what the old instance sent is stale
+        log.warning("request %s: %s; handing it over after %d tokens", self.request_id, why, len(self.token_ids))
+        self.span.add_event("handover", {"layercast.reason": why[:200], "layercast.tokens": len(self.token_ids)})
+        try:
+            self.route = await self.gw.dispatch(self.entry, self.request_id, self.prompt_ids, self.sampling,
+                                                self.token_ids)
+        except APIError as e:
+            self.route = old
+            old.in_flight += 1  # close() releases it once more
+            log.warning("request %s: hand-over failed: %s", self.request_id, e.message)
+            return False
+        HANDOVERS.labels(self.entry.info.name).inc()
+        return True
 
     async def close(self) -> None:
         self.gw.streams.pop(self.request_id, None)
@@ -185,6 +225,8 @@ class GatewayService(Service):
             return
         if inst.state == m.InstanceState.ready and inst.instance_id not in self.ended:
             entry.routes.add(inst.instance_id, inst.entry_worker)
+        elif inst.state == m.InstanceState.draining:
+            entry.routes.remove(inst.instance_id)  # no new requests; those running there finish there
         elif inst.state != m.InstanceState.ready:
             self._drop_route(entry, inst.instance_id, f"instance {inst.state.value}")
 
@@ -305,34 +347,45 @@ class GatewayService(Service):
         started = time.perf_counter()
         span = _tracer.start_span("gateway.generate", attributes={
             "layercast.model": entry.info.name, "layercast.prompt_tokens": len(prompt_ids)})
-        self._demand.set()
+        request_id = uuid.uuid4().hex
         try:
             with trace.use_span(span):
-                for attempt in range(3):
-                    with _tracer.start_as_current_span("gateway.queue", attributes={
-                            "layercast.model": entry.info.name, "layercast.attempt": attempt}) as queued:
-                        route = await entry.routes.acquire(self.config.queue_timeout_s)
-                        queued.set_attribute("layercast.instance", route.instance_id)
-                    self._demand.set()
-                    request_id = uuid.uuid4().hex
-                    gen = Generation(self, entry, route, request_id, len(prompt_ids), stops, started, span)
-                    self.streams[request_id] = gen
-                    req = m.GenerateRequest(request_id=request_id, instance_id=route.instance_id,
-                                            model=entry.info.name, prompt_ids=prompt_ids, sampling=sampling,
-                                            reply_subject=subjects.tokens(self.config.gateway_id, request_id))
-                    try:
-                        await call(self.broker, subjects.worker_generate(route.worker_id), req, m.GenerateAccepted)
-                        span.set_attribute("layercast.instance", route.instance_id)
-                        span.set_attribute("layercast.worker", route.worker_id)
-                        return gen
-                    except (TimeoutError, RemoteError) as e:
-                        self.streams.pop(request_id, None)
-                        entry.routes.release(route)
-                        if isinstance(e, RemoteError) and e.code == "invalid":
-                            raise APIError(400, e.error) from e
-                        log.warning("dispatch to %s failed (%s); dropping that route", route.instance_id, e)
-                        entry.routes.remove(route.instance_id)
-                raise APIError(503, "no instance accepted the request", code="model_unavailable", retry_after=1)
+                gen = Generation(self, entry, None, request_id, prompt_ids, sampling, stops, started, span)
+                self.streams[request_id] = gen  # before dispatch: the first token may beat the reply
+                try:
+                    gen.route = await self.dispatch(entry, request_id, prompt_ids, sampling)
+                except BaseException:
+                    self.streams.pop(request_id, None)
+                    raise
+                return gen
         except BaseException:
             span.end()
             raise
+
+    async def dispatch(self, entry: ModelEntry, request_id: str, prompt_ids: list[int], sampling: m.SamplingSpec,
+                       generated_ids: list[int] = ()) -> Route:
+        """Wait for an instance slot and hand the request to its worker; the route it holds."""
+        self._demand.set()
+        for attempt in range(3):
+            with _tracer.start_as_current_span("gateway.queue", attributes={
+                    "layercast.model": entry.info.name, "layercast.attempt": attempt}) as queued:
+                route = await entry.routes.acquire(self.config.queue_timeout_s)
+                queued.set_attribute("layercast.instance", route.instance_id)
+            self._demand.set()
+            req = m.GenerateRequest(request_id=request_id, instance_id=route.instance_id,
+                                    model=entry.info.name, prompt_ids=prompt_ids, sampling=sampling,
+                                    generated_ids=list(generated_ids),
+                                    reply_subject=subjects.tokens(self.config.gateway_id, request_id))
+            try:
+                await call(self.broker, subjects.worker_generate(route.worker_id), req, m.GenerateAccepted)
+                span = trace.get_current_span()
+                span.set_attribute("layercast.instance", route.instance_id)
+                span.set_attribute("layercast.worker", route.worker_id)
+                return route
+            except (TimeoutError, RemoteError) as e:
+                entry.routes.release(route)
+                if isinstance(e, RemoteError) and e.code == "invalid":
+                    raise APIError(400, e.error) from e
+                log.warning("dispatch to %s failed (%s); dropping that route", route.instance_id, e)
+                entry.routes.remove(route.instance_id)
+        raise APIError(503, "no instance accepted the request", code="model_unavailable", retry_after=1)

@@ -113,7 +113,9 @@ class LoadMonitorService(Service):
             if desired == current:
                 w.last_sent = None
                 continue
-            if desired < current:
+            if 0 < desired < current:
+                # Scale-ins wait out the delay (a burst's dips do not flap instances); the
+                # scale to zero has waited for the model's keep-alive already.
                 w.below_since = w.below_since or now
                 if now - w.below_since < self.scale_down_delay_s:
                     continue

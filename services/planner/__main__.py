@@ -4,17 +4,21 @@ import argparse
 import os
 
 from services.common.runner import run
-from services.planner.service import PlannerService
+from services.planner.service import SERVERLESSLLM_KEEP_ALIVE_S, PlannerService
 
 
 def main() -> None:
     env = os.environ.get
     p = argparse.ArgumentParser(description="layercast planner")
     p.add_argument("--drain-timeout", type=float, default=float(env("LAYERCAST_DRAIN_TIMEOUT", "30")))
+    p.add_argument("--serverlessllm-keep-alive", type=float,
+                   default=float(env("LAYERCAST_SERVERLESSLLM_KEEP_ALIVE", str(SERVERLESSLLM_KEEP_ALIVE_S))),
+                   help="seconds the serverlessllm mode's host cache keeps a stopped model (15: λScale; 300: BlitzScale)")
     p.add_argument("--health-host", default=env("LAYERCAST_HEALTH_HOST", "127.0.0.1"))
     p.add_argument("--health-port", type=int, default=int(env("LAYERCAST_HEALTH_PORT", "0")))
     a = p.parse_args()
-    run(lambda: PlannerService(drain_timeout_s=a.drain_timeout), a.health_host, a.health_port)
+    run(lambda: PlannerService(drain_timeout_s=a.drain_timeout,
+                                       serverlessllm_keep_alive_s=a.serverlessllm_keep_alive), a.health_host, a.health_port)
 
 
 if __name__ == "__main__":

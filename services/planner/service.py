@@ -17,13 +17,14 @@ from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
 from libs.planning.placement import Candidate, Held, LiveInstance, full_copies, pick_targets, pick_victims
+from libs.planning.pool import PoolFill, pool_repair
 from libs.planning.scaleout import MulticastPlan, plan_nodes, scaleout_plan
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import RemoteError, call, on_event, publish
 from libs.telemetry import tracer
 from services.common.runner import Service
-from services.common.transfer_parts import transfer_parts
+from services.common.transfer_parts import gather_parts, transfer_parts
 
 log = logging.getLogger(__name__)
 _tracer = tracer("planner")
@@ -36,7 +37,13 @@ SCALE_DURATION = Histogram("layercast_planner_scale_operation_duration_seconds",
 OPEN_OPS = Gauge("layercast_planner_open_scale_operations", "Scale-ups waiting for their instances")
 
 LIVE = (m.InstanceState.loading, m.InstanceState.ready)
-TRANSFER_STALL_S = 15.0  # a receiver that gets no byte for this long fails its part (then loads from disk)
+# The `serverlessllm` baseline's host cache keeps a stopped model's blocks this long (λScale §2.3
+# measured 15 s on multi-tenant hosts; BlitzScale assumes 5 min): --serverlessllm-keep-alive.
+SERVERLESSLLM_KEEP_ALIVE_S = 15.0
+TRANSFER_STALL_S = 15.0
+POOL_CHECK_S = 5.0  # how often the parameter pool's invariant is checked (also on deploy and worker loss)
+POOL_FILL_GRACE_S = 120.0  # a fill in flight is not repeated for this long
+NO_POOL_MODES = ("serverlessllm", "static")  # baselines without a cluster-wide host copy  # a receiver that gets no byte for this long fails its part (then loads from disk)
 
 
 def _stage(load: m.LoadModel, worker_id: str) -> m.Stage:
@@ -46,16 +53,17 @@ def _stage(load: m.LoadModel, worker_id: str) -> m.Stage:
 class PlannerService(Service):
     name = "planner"
 
-    def __init__(self, nats_url: str | None = None, drain_timeout_s: float = 30.0):
+    def __init__(self, nats_url: str | None = None, drain_timeout_s: float = 30.0,
+                 serverlessllm_keep_alive_s: float = SERVERLESSLLM_KEEP_ALIVE_S):
         super().__init__(nats_url)
         self.drain_timeout_s = drain_timeout_s
+        self.serverlessllm_keep_alive_s = serverlessllm_keep_alive_s
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._open_ops: dict[str, m.ScaleOpInfo] = {}  # scale_op_id -> op waiting for instances
         self._op_spans: dict[str, trace.Span] = {}  # scale_op_id -> its span, ended with the op
-        # (scale_op_id, receiver) -> its LoadModel, sent once its part of the multicast has ended
-        self._after_transfer: dict[tuple[str, str], m.LoadModel] = {}
         self._waiting: dict[str, str] = {}  # instance_id -> scale_op_id
         self._load: dict[str, int] = {}  # worker_id -> running requests (worker metrics)
+        self._pool_fills: dict[tuple[str, str], float] = {}  # (model, worker) -> when a fill was sent
         self._subscribe()
 
     async def reconcile(self, req: m.ScaleRequest) -> m.ScaleOpInfo | None:
@@ -75,7 +83,8 @@ class PlannerService(Service):
             if desired > len(live) and model is not None:
                 return await self._scale_up(model, view, live, desired, req)
             if desired < len(live):
-                return await self._scale_down(req.model, live, desired, req)
+                keep_alive = self.serverlessllm_keep_alive_s if model and model.scaling_mode == "serverlessllm" else None
+                return await self._scale_down(req.model, live, desired, req, keep_alive)
             return None
 
     async def _record(self, op: m.ScaleOpInfo) -> None:
@@ -118,8 +127,8 @@ class PlannerService(Service):
         if plan:
             op.plan |= {"algorithm": plan.algorithm, "k": plan.k, "sources": sources[: plan.k],
                         "receivers": receivers}
-        # The span lasts as long as the operation: it ends when the last target is ready (or failed),
-        # in whichever event handler sees that, so the trace shows the operation's real duration.
+        # The span lasts as long as the operation: it ends when the last target is loaded (or
+        # failed), in whichever event handler sees that, so the trace shows the real duration.
         span = _tracer.start_span("planner.scale_up", attributes={
             "layercast.model": model.name, "layercast.scale_op": op.scale_op_id, "layercast.mode": op.plan["kind"],
             "layercast.scaling_mode": model.scaling_mode, "layercast.algorithm": op.plan.get("algorithm", ""),
@@ -127,59 +136,72 @@ class PlannerService(Service):
             "layercast.to_instances": op.to_instances})
         self._op_spans[op.scale_op_id] = span
         with trace.use_span(span, end_on_exit=False):
-            await self._record(op)
+            recorded = asyncio.create_task(self._record(op))  # beside the transfers, not before them
             self._open_ops[op.scale_op_id] = op
             OPEN_OPS.set(len(self._open_ops))
-            loads = {}
-            for worker_id in targets:
-                instance_id = f"inst-{uuid.uuid4().hex[:12]}"
-                loads[worker_id] = m.LoadModel(instance_id=instance_id, model=model.name, path=model.path,
-                                               block_start=0, block_end=len(model.blocks), scale_op_id=op.scale_op_id)
-                try:
-                    created = await call(self.broker, subjects.REGISTRY_INSTANCE_CREATE, m.CreateInstance(
-                        instance_id=instance_id, model=model.name, stages=[_stage(loads[worker_id], worker_id)],
-                        scale_op_id=op.scale_op_id), m.InstanceInfo)
-                except (TimeoutError, RemoteError) as e:
-                    await self._load_failed(op, worker_id, loads.pop(worker_id), str(e))
-                    continue
-                await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=created,
-                                                                                    reason=req.reason))
-                self._waiting[instance_id] = op.scale_op_id
-            if plan and not await self._multicast(op, model, plan, sources, receivers, alive, loads):
+            loads = {w: m.LoadModel(instance_id=f"inst-{uuid.uuid4().hex[:12]}", model=model.name, path=model.path,
+                                    block_start=0, block_end=len(model.blocks), scale_op_id=op.scale_op_id,
+                                    preheld=model.scaling_mode == "ideal")
+                     for w in targets}
+            for load in loads.values():
+                self._waiting[load.instance_id] = op.scale_op_id
+            # Bytes first: the transfer parts go out before anything else (decision -> first byte
+            # is the scale-out's latency); each receiver then loads its blocks as they arrive.
+            transfer_id = await self._multicast(op, model, plan, sources, receivers, alive) if plan else None
+            if plan and transfer_id is None:
                 op.plan["kind"] = "local-load"  # a worker refused its part: every target loads on its own
-            for worker_id, load in loads.items():
-                if (op.scale_op_id, worker_id) not in self._after_transfer:
-                    await self._command_load(op, worker_id, load)
+            for w in receivers:
+                if transfer_id:
+                    loads[w].incoming_transfer = transfer_id
+            created = await asyncio.gather(*(self._create_instance(op, w, load, req.reason)
+                                             for w, load in loads.items()))
+            await asyncio.gather(*(self._command_load(op, w, load) for (w, load), ok in zip(loads.items(), created)
+                                   if ok))
+            await recorded
+            await self._record(op)
             await self._maybe_close(op.scale_op_id)
         return op
 
+    async def _create_instance(self, op: m.ScaleOpInfo, worker_id: str, load: m.LoadModel, reason: str) -> bool:
+        try:
+            created = await call(self.broker, subjects.REGISTRY_INSTANCE_CREATE, m.CreateInstance(
+                instance_id=load.instance_id, model=load.model, stages=[_stage(load, worker_id)],
+                scale_op_id=op.scale_op_id), m.InstanceInfo)
+        except (TimeoutError, RemoteError) as e:
+            await self._load_failed(op, worker_id, load, str(e))
+            return False
+        await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=created, reason=reason))
+        return True
+
     async def _multicast(self, op: m.ScaleOpInfo, model: m.ModelInfo, plan: MulticastPlan, sources: list[str],
-                         receivers: list[str], alive: dict[str, m.WorkerInfo], loads: dict[str, m.LoadModel]) -> bool:
-        """Send every worker its part of the plan, receivers first. Each receiver's LoadModel
-        waits for its TransferReport (then its blocks are in its host tier). False when a worker
-        refused its part: nothing was sent yet by any source, and the caller loads locally."""
+                         receivers: list[str], alive: dict[str, m.WorkerInfo]) -> str | None:
+        """Send every worker its part of the plan: receivers first (each acks once ready to
+        receive), then sources. Returns the transfer id, or None when a worker refused its
+        part: then no source was started, and the targets load on their own."""
         nodes = plan_nodes(plan, sources, receivers)
+        transfer_id = f"{op.scale_op_id}-{plan.algorithm}"
         parts = transfer_parts(plan, nodes, {w: alive[w].data_address for w in nodes}, model.blocks,
-                               transfer_id=f"{op.scale_op_id}-{plan.algorithm}", model=model.name,
+                               transfer_id=transfer_id, model=model.name,
                                stall_timeout_s=TRANSFER_STALL_S, scale_op_id=op.scale_op_id)
-        for worker_id in receivers:
-            if worker_id in loads:
-                self._after_transfer[(op.scale_op_id, worker_id)] = loads[worker_id]
-        for worker_id, part in parts.items():
+
+        async def send(worker_id: str) -> str | None:
             try:
-                ack = await call(self.broker, subjects.worker_command(worker_id), part, m.CommandAck, timeout=5.0)
-                if not ack.accepted:
-                    raise RemoteError(subjects.worker_command(worker_id), m.ErrorReply(error=ack.detail))
+                ack = await call(self.broker, subjects.worker_command(worker_id), parts[worker_id], m.CommandAck,
+                                 timeout=5.0)
+                return None if ack.accepted else ack.detail
             except (TimeoutError, RemoteError) as e:
-                log.warning("scale-up %s: %s refused its %s part (%s); targets load on their own",
-                            op.scale_op_id, worker_id, plan.algorithm, e)
-                for r in receivers:
-                    self._after_transfer.pop((op.scale_op_id, r), None)
-                return False
+                return str(e)
+
+        for group in ([w for w in parts if w in receivers], [w for w in parts if w not in receivers]):
+            refused = {w: why for w, why in zip(group, await asyncio.gather(*(send(w) for w in group))) if why}
+            if refused:
+                log.warning("scale-up %s: %s refused their %s parts (%s); targets load on their own",
+                            op.scale_op_id, ",".join(refused), plan.algorithm, "; ".join(refused.values()))
+                return None
         op.timings["first_send"] = time.time()
         log.info("scale-up %s: %s k=%d from %s to %s", op.scale_op_id, plan.algorithm, plan.k,
                  ",".join(sources[: plan.k]), ",".join(receivers))
-        return True
+        return transfer_id
 
     async def _command_load(self, op: m.ScaleOpInfo, worker_id: str, load: m.LoadModel) -> None:
         try:
@@ -198,14 +220,12 @@ class PlannerService(Service):
         await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=failed, reason=reason))
 
     async def _transferred(self, report: m.TransferReport) -> None:
-        """A receiver's part ended: it loads the model now, from its host tier (every block, or
-        what arrived before a failure; the rest it reads from its own disk)."""
-        if report.scale_op_id is None:
+        """A receiver's part ended: its timings go into the operation (its load goes on by itself)."""
+        op = self._open_ops.get(report.scale_op_id or "")
+        if op is None or not report.bytes_received and report.ok:
             return
-        load = self._after_transfer.pop((report.scale_op_id, report.worker_id), None)
-        op = self._open_ops.get(report.scale_op_id)
-        if load is None or op is None:
-            return
+        if report.first_byte_at:
+            op.timings["first_byte"] = min(op.timings.get("first_byte", report.first_byte_at), report.first_byte_at)
         if report.block_arrived_at:
             first = min(report.block_arrived_at.values())
             op.timings["first_block"] = min(op.timings.get("first_block", first), first)
@@ -213,11 +233,9 @@ class PlannerService(Service):
         if not report.ok:
             log.warning("scale-up %s: transfer to %s failed (%s); it loads what is missing from disk",
                         op.scale_op_id, report.worker_id, report.error)
-        await self._command_load(op, report.worker_id, load)
-        await self._maybe_close(op.scale_op_id)
 
     async def _scale_down(self, model: str, live: list[m.InstanceInfo], desired: int,
-                          req: m.ScaleRequest) -> m.ScaleOpInfo:
+                          req: m.ScaleRequest, host_keep_alive_s: float | None = None) -> m.ScaleOpInfo:
         instances = [LiveInstance(i.instance_id, i.state.value, self._load.get(i.entry_worker, 0)) for i in live]
         victims = set(pick_victims(instances, len(live) - desired))
         op = m.ScaleOpInfo(scale_op_id=f"op-{uuid.uuid4().hex[:12]}", model=model, direction="down",
@@ -237,7 +255,7 @@ class PlannerService(Service):
                 try:
                     await call(self.broker, subjects.worker_command(inst.entry_worker), m.UnloadModel(
                         instance_id=inst.instance_id, drain_timeout_s=self.drain_timeout_s,
-                        scale_op_id=op.scale_op_id), m.CommandAck, timeout=5.0)
+                        scale_op_id=op.scale_op_id, host_keep_alive_s=host_keep_alive_s), m.CommandAck, timeout=5.0)
                 except (TimeoutError, RemoteError) as e:
                     # The worker is gone or never had it: the instance is over either way.
                     log.warning("scale-down %s: %s: %s", op.scale_op_id, inst.entry_worker, e)
@@ -258,8 +276,7 @@ class PlannerService(Service):
             SCALE_DURATION.labels(op.model, op.direction).observe(max(0.0, op.timings["done"] - decided))
 
     async def _maybe_close(self, scale_op_id: str) -> None:
-        if any(op == scale_op_id for op in self._waiting.values()) or \
-                any(op == scale_op_id for op, _ in self._after_transfer):
+        if any(op == scale_op_id for op in self._waiting.values()):
             return
         op = self._open_ops.pop(scale_op_id, None)
         OPEN_OPS.set(len(self._open_ops))
@@ -267,7 +284,7 @@ class PlannerService(Service):
         if op is not None:
             done = op.model_copy(update={"state": "done", "timings": {**op.timings, "done": time.time()}})
             await self._record(done)
-            ready = sum(1 for k in done.timings if k.startswith("ready:"))
+            ready = sum(1 for k in done.timings if k.startswith("loaded:"))
             outcome = "done" if ready == done.to_instances - done.from_instances else "partial" if ready else "failed"
             self._observe_end(done, outcome)
             if span is not None:
@@ -275,6 +292,83 @@ class PlannerService(Service):
                 span.set_attribute("layercast.outcome", outcome)
         if span is not None:
             span.end()
+
+    # --- the parameter pool -----------------------------------------------------------------------
+    def background(self):
+        return [self._pool_loop()]
+
+    async def _pool_loop(self) -> None:
+        while True:
+            await asyncio.sleep(POOL_CHECK_S)
+            try:
+                await self.check_pool()
+            except Exception:
+                log.exception("parameter-pool check failed")
+
+    async def check_pool(self, only_model: str | None = None) -> None:
+        """Keep every model's complete host copy (BlitzScale §5.3): restore it where a worker's
+        loss or an eviction broke it. An `ideal` deployment's copy is on every worker instead."""
+        view = await call(self.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0), m.ClusterView)
+        alive = {w.worker_id: w for w in view.workers if w.state == "alive"}
+        sizes = {(x.name, b.block_id): b.nbytes for x in view.models for b in x.blocks}
+        used: dict[str, int] = defaultdict(int)
+        for r in view.replicas:
+            if r.tier == m.Tier.host and r.state == m.ReplicaState.ready:
+                used[r.worker_id] += sizes.get((r.model, r.block_id), 0)
+        now = time.time()
+        for model in view.models:
+            if model.scaling_mode in NO_POOL_MODES or only_model not in (None, model.name):
+                continue
+            if any(op.model == model.name for op in self._open_ops.values()):
+                continue  # its loads are bringing copies into host tiers: look again once they are done
+            held = [Held(r.worker_id, r.block_id, r.tier.value) for r in view.replicas
+                    if r.model == model.name and r.state == m.ReplicaState.ready]
+            block_bytes = {b.block_id: b.nbytes for b in model.blocks}
+            if model.scaling_mode == "ideal":
+                have = set(full_copies(block_bytes, held, alive))
+                fills = [PoolFill(w, tuple(block_bytes), {}, tuple(block_bytes)) for w in alive if w not in have]
+            else:
+                free = {w: max(0, info.capacities.get(m.Tier.host, 0) - used[w]) for w, info in alive.items()}
+                fills = pool_repair(block_bytes, held, free)
+            for fill in fills:
+                if now - self._pool_fills.get((model.name, fill.worker), 0.0) < POOL_FILL_GRACE_S:
+                    continue  # sent recently; its blocks are still on their way
+                self._pool_fills[(model.name, fill.worker)] = now
+                await self._fill(model, fill, alive)
+
+    async def _fill(self, model: m.ModelInfo, fill: PoolFill, alive: dict[str, m.WorkerInfo]) -> None:
+        """Blocks from surviving holders over the data plane (receiver first), then the
+        FetchBlocks that keeps them all: it waits for those arriving, reads the rest from disk."""
+        if fill.from_peers:
+            parts = gather_parts(fill.worker, fill.from_peers, {w: alive[w].data_address for w in alive},
+                                 model.blocks, transfer_id=f"pool-{uuid.uuid4().hex[:12]}", model=model.name,
+                                 stall_timeout_s=TRANSFER_STALL_S)
+            for worker_id, part in parts.items():
+                try:
+                    await call(self.broker, subjects.worker_command(worker_id), part, m.CommandAck, timeout=5.0)
+                except (TimeoutError, RemoteError) as e:
+                    log.warning("pool copy of %s: %s refused its part (%s); the disk serves instead",
+                                model.name, worker_id, e)
+                    break
+        try:
+            await call(self.broker, subjects.worker_command(fill.worker), m.FetchBlocks(
+                model=model.name, path=model.path, blocks=list(fill.blocks), keep=True), m.CommandAck, timeout=5.0)
+            log.info("pool copy of %s: %s keeps blocks %s (%d from peers, %d from disk)", model.name, fill.worker,
+                     list(fill.blocks), len(fill.from_peers), len(fill.from_disk))
+        except (TimeoutError, RemoteError) as e:
+            log.warning("pool copy of %s on %s failed: %s", model.name, fill.worker, e)
+
+    async def _release_pool(self, model: m.ModelInfo) -> None:
+        """A deleted model's pool copy may leave the host tiers (workers release only what they keep)."""
+        view = await call(self.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0), m.ClusterView)
+        self._pool_fills = {k: t for k, t in self._pool_fills.items() if k[0] != model.name}
+        release = m.ReleaseBlocks(model=model.name, blocks=[b.block_id for b in model.blocks])
+        for w in view.workers:
+            if w.state == "alive":
+                try:
+                    await call(self.broker, subjects.worker_command(w.worker_id), release, m.CommandAck, timeout=5.0)
+                except (TimeoutError, RemoteError) as e:
+                    log.warning("releasing the pool copy of %s on %s: %s", model.name, w.worker_id, e)
 
     def _subscribe(self) -> None:
         b = self.broker
@@ -291,17 +385,28 @@ class PlannerService(Service):
             op_id = self._waiting.get(inst.instance_id)
             if op_id is None or inst.state == m.InstanceState.loading:
                 return
-            del self._waiting[inst.instance_id]
             op = self._open_ops.get(op_id)
-            if op is not None:
-                key = f"ready:{inst.instance_id}" if inst.state == m.InstanceState.ready else \
-                    f"failed:{inst.instance_id}"
-                op.timings[key] = inst.ready_at or time.time()
-                span = self._op_spans.get(op_id)
+            span = self._op_spans.get(op_id)
+            attrs = {"layercast.instance": inst.instance_id, "layercast.worker": inst.entry_worker}
+            if inst.state == m.InstanceState.ready:
+                # Serving (from its first block, with serve-while-loading); the target is done
+                # once every block is loaded.
+                if op is not None and f"ready:{inst.instance_id}" not in op.timings:
+                    op.timings[f"ready:{inst.instance_id}"] = inst.ready_at or time.time()
+                    if span is not None:
+                        span.add_event("instance_ready", attrs)
+                if inst.loaded_at is None:
+                    return
+                if op is not None:
+                    op.timings[f"loaded:{inst.instance_id}"] = inst.loaded_at
                 if span is not None:
-                    span.add_event("instance_ready" if key.startswith("ready:") else "instance_failed",
-                                   {"layercast.instance": inst.instance_id,
-                                    "layercast.worker": inst.entry_worker})
+                    span.add_event("instance_loaded", attrs)
+            else:
+                if op is not None:
+                    op.timings[f"failed:{inst.instance_id}"] = time.time()
+                if span is not None:
+                    span.add_event("instance_failed", attrs)
+            del self._waiting[inst.instance_id]
             await self._maybe_close(op_id)
 
         @b.subscriber(subjects.EVENT_TRANSFER)
@@ -309,15 +414,24 @@ class PlannerService(Service):
         async def transferred(report: m.TransferReport) -> None:
             await self._transferred(report)
 
+        @b.subscriber(subjects.EVENT_WORKER_EXPIRED)
+        @on_event(m.WorkerExpired)
+        async def worker_expired(ev: m.WorkerExpired) -> None:
+            self._load.pop(ev.worker_id, None)
+            await self.check_pool()
+
         @b.subscriber(subjects.EVENT_MODEL)
         @on_event(m.ModelEvent)
         async def model(ev: m.ModelEvent) -> None:
             if ev.kind == "deleted":
                 await self.reconcile(m.ScaleRequest(model=ev.model.name, desired_instances=0,
                                                     reason="model deleted"))
-            elif ev.model.min_instances > 0:
+                await self._release_pool(ev.model)
+                return
+            if ev.model.min_instances > 0:
                 await self.reconcile(m.ScaleRequest(model=ev.model.name, desired_instances=ev.model.min_instances,
                                                     reason="min_instances at deploy"))
+            await self.check_pool(ev.model.name)
 
         @b.subscriber(subjects.METRICS_WORKER)
         @on_event(m.WorkerMetrics)

@@ -169,3 +169,6 @@ class RegistryService(Service):
                 await self.store.add_scale_op_timing(ev.instance.scale_op_id,
                                                      f"ready:{ev.instance.instance_id}",
                                                      ev.instance.ready_at or time.time())
+                if ev.instance.loaded_at:
+                    await self.store.add_scale_op_timing(ev.instance.scale_op_id,
+                                                         f"loaded:{ev.instance.instance_id}", ev.instance.loaded_at)

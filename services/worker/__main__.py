@@ -38,6 +38,10 @@ def main() -> None:
     p.add_argument("--kv-cache-gb", type=float, default=float(env("LAYERCAST_KV_CACHE_GB", "1")),
                    help="KV cache per instance, pre-allocated: it bounds the requests running at once")
     p.add_argument("--torch-threads", type=int, default=int(env("LAYERCAST_TORCH_THREADS", "0")))
+    p.add_argument("--emulated-host-to-device-mbit", type=float,
+                   default=float(env("LAYERCAST_EMULATED_HOST_TO_DEVICE_MBIT", "0")),
+                   help="emulation only: pace host->device copies to this rate (Mbit/s), standing in "
+                        "for PCIe on a CPU-only worker; 0: off")
     p.add_argument("--health-host", default=env("LAYERCAST_HEALTH_HOST", "127.0.0.1"))
     p.add_argument("--health-port", type=int, default=int(env("LAYERCAST_HEALTH_PORT", "0")))
     a = p.parse_args()
@@ -52,6 +56,7 @@ def main() -> None:
         device=a.device, serve_while_loading=a.serve_while_loading, load_chunk_bytes=a.load_chunk_mib << 20,
         load_threads=a.load_threads, transport=a.transport, rdma_device=a.rdma_device,
         kv_cache_bytes=int(a.kv_cache_gb * (1 << 30)),
+        emulated_host_to_device_mbit=a.emulated_host_to_device_mbit,
     )
     run(lambda: WorkerService(config), a.health_host, a.health_port)
 

@@ -56,6 +56,9 @@ class _SyntheticBlocks:
     async def store(self, model: str, block_id: int, buffer: torch.Tensor) -> None:
         return None  # verified and announced; dropped so repeated runs do not pile up copies
 
+    async def part_ended(self, part, ok: bool) -> None:
+        return None
+
 
 class DataPlaneNode(Service):
     name = "dataplane"

@@ -48,6 +48,13 @@ class HostBlockCache:
             self._pins[key] = n
         return self._evict()
 
+    def remove(self, key: BlockKey) -> bool:
+        """Drop an unpinned block now (a keep-alive ran out); False if pinned or absent."""
+        if key in self._pins or key not in self._blocks:
+            return False
+        del self._blocks[key]
+        return True
+
     def pinned(self, key: BlockKey) -> bool:
         return key in self._pins
 

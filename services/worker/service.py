@@ -6,6 +6,7 @@ gateway. Torch work runs on the engine thread (runtime.py).
 """
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import shutil
@@ -19,6 +20,7 @@ from prometheus_client import Counter, Gauge
 
 from libs.checkpoint import CheckpointIndex
 from libs.checkpoint.hostmem import HostArena
+from libs.checkpoint.pacing import make_pacer
 from libs.checkpoint.fastload import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_THREADS,
@@ -89,21 +91,33 @@ class WorkerConfig:
     kv_cache_bytes: int = 1 << 30  # per instance: pre-allocated KV slots (min(max_batch_size, budget / slot))
     transport: str = "tcp"  # block transfers: "tcp", or "rdma" (pyverbs and an RDMA device)
     rdma_device: str | None = None
+    # Emulation only (off: 0): the copy from the host tier into engine memory is paced to this
+    # rate, standing in for PCIe on a CPU-only worker, where no OS knob throttles memcpy.
+    emulated_host_to_device_mbit: float = 0.0
 
 
-@dataclass
-class _ArrivingBlocks:
-    """The engine's BlockSource during a load: blocks already on the device, the rest from the loader."""
+class _BlockFutures:
+    """The engine's BlockSource during a load: each block's engine-ready tensor, set by the load
+    as the block lands (from the host tier, a transfer or the disk); a failed load fails them all."""
 
-    ready: dict[int, torch.Tensor]
-    job: LoadJob | None
+    def __init__(self, blocks: list[int]):
+        self.futures = {b: concurrent.futures.Future() for b in blocks}
+
+    def set(self, block_id: int, tensor: torch.Tensor) -> None:
+        self.futures[block_id].set_result(tensor)
+
+    def fail(self, error: BaseException) -> None:
+        for f in self.futures.values():
+            if not f.done():
+                f.set_exception(error)
 
     def wait(self, block_id: int, timeout: float | None = None) -> torch.Tensor:
-        if block_id in self.ready:
-            return self.ready[block_id]
-        if self.job is None:
-            raise KeyError(f"block {block_id} is neither cached nor loading")
-        return self.job.wait(block_id, timeout)
+        if block_id not in self.futures:
+            raise KeyError(f"block {block_id} is not part of this load")
+        try:
+            return self.futures[block_id].result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"block {block_id} not ready after {timeout} s") from None
 
 
 class _HostTierBlocks:
@@ -126,6 +140,22 @@ class _HostTierBlocks:
 
     async def store(self, model: str, block_id: int, buffer: torch.Tensor) -> None:
         await self.worker._report_evicted(self.worker.cache.put((model, block_id), buffer))
+        arrival = self.worker._incoming.get((model, block_id))
+        if arrival is not None and not arrival.done():
+            arrival.set_result(buffer)  # a load waiting for this block goes on
+
+    def expect(self, part: m.TransferPart) -> None:
+        """Before the part starts: loads may wait for the blocks it receives (LoadModel.incoming_transfer)."""
+        loop = asyncio.get_running_loop()
+        for hop in part.receives:
+            self.worker._incoming.setdefault((part.model, hop.block), loop.create_future())
+
+    async def part_ended(self, part: m.TransferPart, ok: bool) -> None:
+        # What did not arrive never will: waiting loads read it from disk.
+        for hop in part.receives:
+            arrival = self.worker._incoming.pop((part.model, hop.block), None)
+            if arrival is not None and not arrival.done():
+                arrival.set_result(None)
 
 
 @dataclass
@@ -163,6 +193,10 @@ class WorkerService(Service):
         self.transfers: TransferAgent | None = None
         self._registered = False
         self._loading: set[str] = set()
+        # (model, block) -> future of its host buffer, for blocks a running transfer brings
+        self._incoming: dict[tuple[str, int], asyncio.Future] = {}
+        self.pacer = make_pacer(config.emulated_host_to_device_mbit)
+        self._kept: set[tuple[str, int]] = set()  # pinned by FetchBlocks (the parameter pool)
         self._tokens_since = 0
         self._subscribe()
 
@@ -281,56 +315,80 @@ class WorkerService(Service):
     async def _load(self, cmd: m.LoadModel, info: m.InstanceInfo) -> None:
         """Load blocks nearest tier first; a full-model instance starts serving after its first block.
 
-        The engine is built over the arriving blocks (they are bound as its forward pass reaches
-        them), so a first request overlaps its prefill with the rest of the load. A block that
-        fails its checksum fails the instance: no request ever runs on unverified bytes.
+        Each block comes from the host tier, from a running transfer (`cmd.incoming_transfer`:
+        the load waits for its blocks as they arrive, instead of waiting for the whole
+        multicast), or from disk. The engine is built over the arriving blocks (they are bound
+        as its forward pass reaches them), so a first request overlaps its prefill with the
+        rest of the load. A block that fails its checksum fails the instance: no request ever
+        runs on unverified bytes.
         """
         iid = cmd.instance_id
         with _tracer.start_as_current_span("worker.load", attributes={
             "layercast.model": cmd.model, "layercast.worker": self.config.worker_id,
             "layercast.blocks": f"[{cmd.block_start},{cmd.block_end})"}) as span:
-            job = None
+            jobs: list[LoadJob] = []
             wanted = list(range(cmd.block_start, cmd.block_end))
             pinned: list[tuple[str, int]] = []  # this load's pins; the instance releases them when it stops
             on_gpu: list[int] = []
             attached = False
             loaded_bytes = 0
+            arriving = _BlockFutures(wanted)
             try:
                 index = await asyncio.to_thread(CheckpointIndex.load, cmd.path)
                 for b in wanted:
                     index.block(b)
                 full = (cmd.block_start, cmd.block_end) == (0, index.n_blocks)
-                # Nearest tier first: blocks in the host cache are pinned at once (they cannot be
-                # evicted while the rest load); the others stream from disk through the loader.
+                incoming = {b: f for b in wanted if (f := self._incoming.get((cmd.model, b))) is not None} \
+                    if cmd.incoming_transfer else {}
+                # Blocks in the host tier are pinned at once (not evicted while the rest load);
+                # those neither there nor on their way stream from disk through the loader.
                 cached: dict[int, torch.Tensor] = {}
                 for b in wanted:
-                    buf = self.cache.get((cmd.model, b))
-                    if buf is not None:
+                    if b not in incoming and (buf := self.cache.get((cmd.model, b))) is not None:
                         self.cache.pin((cmd.model, b))
                         pinned.append((cmd.model, b))
                         cached[b] = buf
-                ready = {b: await asyncio.to_thread(self._host_to_device, b, buf) for b, buf in cached.items()}
-                missing = [b for b in wanted if b not in cached]
-                if missing:
-                    job = await asyncio.to_thread(self.loader.start, cmd.path, index, missing)
+                job_of: dict[int, LoadJob] = {}
+                from_disk = [b for b in wanted if b not in cached and b not in incoming]
+                if from_disk:
+                    jobs.append(await asyncio.to_thread(self.loader.start, cmd.path, index, from_disk))
+                    job_of |= dict.fromkeys(from_disk, jobs[-1])
                 engine = None
                 if full:
                     engine = await asyncio.to_thread(
-                        Engine, index, _ArrivingBlocks(ready, job), device=self.config.device,
+                        Engine, index, arriving, device=self.config.device,
                         max_batch_size=self.config.max_batch_size, max_seq_len=self.config.max_seq_len,
                         kv_cache_bytes=self.config.kv_cache_bytes)
                 for b in wanted:
                     t0 = time.perf_counter()
-                    if b in cached:
-                        tier, host_buf, device_buf = m.Tier.host, cached[b], ready[b]
+                    host_buf = cached.get(b)
+                    if b in incoming:
+                        host_buf = await incoming[b]
+                        if host_buf is None:
+                            # The transfer ended without it: read it, and what else did not come, from disk.
+                            lost = [x for x in wanted[wanted.index(b):] if x in incoming and
+                                    not (incoming[x].done() and incoming[x].result() is not None)]
+                            log.info("load of %s: blocks %s did not arrive; reading them from disk", cmd.model, lost)
+                            for x in lost:
+                                del incoming[x]
+                            jobs.append(await asyncio.to_thread(self.loader.start, cmd.path, index, lost))
+                            job_of |= dict.fromkeys(lost, jobs[-1])
+                        else:
+                            self.cache.pin((cmd.model, b))
+                            pinned.append((cmd.model, b))
+                    if host_buf is not None:
+                        tier = m.Tier.host
+                        device_buf = await asyncio.to_thread(self._host_to_device, b, host_buf, cmd.preheld)
                     else:
                         # Blocks are announced in order, each only once its checksum is verified.
                         tier = m.Tier.ssd
-                        device_buf = await asyncio.to_thread(job.wait, b)
-                        host_buf = job.host[b][: device_buf.numel()] if job.host else device_buf
+                        device_buf = await asyncio.to_thread(job_of[b].wait, b)
+                        host_buf = job_of[b].host[b][: device_buf.numel()] if job_of[b].host else device_buf
                         self.cache.pin((cmd.model, b))
                         pinned.append((cmd.model, b))
                         await self._report_evicted(self.cache.put((cmd.model, b), host_buf))
+                        await asyncio.to_thread(self._pace, device_buf.numel(), cmd.preheld)
+                    arriving.set(b, device_buf)
                     if attached and iid not in self.instances:
                         raise RuntimeError("instance stopped while loading")
                     seconds = time.perf_counter() - t0
@@ -346,21 +404,23 @@ class WorkerService(Service):
                     if engine is not None and not attached and self.config.serve_while_loading:
                         await self._attach(engine, info, cmd, pinned, "first block ready, rest loading")
                         attached = True
-                if job is not None:
-                    self._observe_bandwidth("ssd_to_host", job.stats.bytes, job.stats.finished_s or 0.0)
-                    span.set_attribute("layercast.disk_gbps", round(job.stats.gbps, 3))
-                    span.set_attribute("layercast.o_direct", job.stats.direct)
+                for done in jobs:
+                    self._observe_bandwidth("ssd_to_host", done.stats.bytes, done.stats.finished_s or 0.0)
+                    span.set_attribute("layercast.disk_gbps", round(done.stats.gbps, 3))
+                    span.set_attribute("layercast.o_direct", done.stats.direct)
                 if not full:
                     # A partial range holds its blocks for a pipeline; pipeline serving
                     # (activations between stages) is the engine issue's work.
                     raise DomainError("only full-model local instances can serve in this version")
                 if not attached:
                     await self._attach(engine, info, cmd, pinned, "loaded")
+                await self._loaded(cmd.instance_id)
             except Exception as e:
                 log.exception("loading %s failed", cmd.model)
                 span.record_exception(e)
-                if job is not None:
-                    await asyncio.to_thread(job.cancel)
+                arriving.fail(e)
+                for j in jobs:
+                    await asyncio.to_thread(j.cancel)
                 if attached and self.instances.pop(iid, None) is not None:
                     await self.runtime.detach(iid)  # its running requests end with an error
                 for b in on_gpu:
@@ -373,6 +433,15 @@ class WorkerService(Service):
             finally:
                 self._loading.discard(iid)
 
+    async def _loaded(self, instance_id: str) -> None:
+        """Every block is in engine memory: say so (the planner times scale operations by it)."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return
+        inst.info = inst.info.model_copy(update={"loaded_at": time.time()})
+        await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=inst.info,
+                                                                            reason="every block loaded"))
+
     async def _attach(self, engine: Engine, info: m.InstanceInfo, cmd: m.LoadModel,
                       pinned: list[tuple[str, int]], reason: str) -> None:
         self.runtime.attach(cmd.instance_id, engine)
@@ -382,26 +451,76 @@ class WorkerService(Service):
         log.info("instance %s of %s ready (%s)", cmd.instance_id, cmd.model, reason)
         await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=reason))
 
-    def _host_to_device(self, block_id: int, host_buf: torch.Tensor) -> torch.Tensor:
+    def _pace(self, nbytes: int, preheld: bool) -> None:
+        """Emulation only: hold a block's host-to-device copy to the emulated PCIe rate (blocks an
+        `ideal` deployment pre-holds cost nothing)."""
+        if self.pacer is not None and not preheld:
+            self.pacer.pace(nbytes)
+
+    def _host_to_device(self, block_id: int, host_buf: torch.Tensor, preheld: bool = False) -> torch.Tensor:
         """A cached host block made engine-ready: zero-copy on the CPU, one measured copy to a GPU."""
         if torch.device(self.config.device).type == "cpu":
+            self._pace(host_buf.numel() * host_buf.element_size(), preheld)
             return host_buf
         t0 = time.perf_counter()
         device_buf = copy_to_device({block_id: host_buf}, self.config.device, self.config.load_chunk_bytes)[block_id]
         self._observe_bandwidth("host_to_device", host_buf.numel(), time.perf_counter() - t0)
         return device_buf
 
-    async def _stop_instance(self, inst: _Instance, reason: str, drain_timeout_s: float = 0.0) -> None:
+    async def _fetch(self, cmd: m.FetchBlocks) -> None:
+        """Disk to host tier, without an engine: the parameter pool's copy (kept: pinned)."""
+        with _tracer.start_as_current_span("worker.fetch", attributes={
+                "layercast.model": cmd.model, "layercast.worker": self.config.worker_id,
+                "layercast.blocks": ",".join(map(str, cmd.blocks))}):
+            try:
+                index = await asyncio.to_thread(CheckpointIndex.load, cmd.path)
+                # Blocks a transfer is bringing (a pool re-replication) are waited for; what it
+                # does not deliver, and what is nowhere in the host tier, is read from disk.
+                await asyncio.gather(*(f for b in cmd.blocks if (f := self._incoming.get((cmd.model, b)))))
+                todo = [b for b in cmd.blocks if (cmd.model, b) not in self.cache]
+                job = await asyncio.to_thread(self.loader.start, cmd.path, index, todo) if todo else None
+                for b in cmd.blocks:
+                    key = (cmd.model, b)
+                    if cmd.keep and key not in self._kept:
+                        self._kept.add(key)
+                        self.cache.pin(key)
+                    if b in todo:
+                        device_buf = await asyncio.to_thread(job.wait, b)
+                        host_buf = job.host[b][: device_buf.numel()] if job.host else device_buf
+                        await self._report_evicted(self.cache.put(key, host_buf))
+                    buf = self.cache.get(key)
+                    await self._block_event(cmd.model, b, m.Tier.host, m.ReplicaState.ready, buf.numel())
+                if job is not None:
+                    self._observe_bandwidth("ssd_to_host", job.stats.bytes, job.stats.finished_s or 0.0)
+            except Exception:
+                log.exception("fetching blocks %s of %s failed", cmd.blocks, cmd.model)
+                for b in cmd.blocks:
+                    if (cmd.model, b) in self._kept:
+                        self._kept.discard((cmd.model, b))
+                        await self._report_evicted(self.cache.unpin((cmd.model, b)))
+
+    async def _expire_after(self, keys: list[tuple[str, int]], keep_alive_s: float) -> None:
+        """The host-cache keep-alive: blocks unused for keep_alive_s leave the host tier."""
+        await asyncio.sleep(keep_alive_s)
+        gone = [k for k in keys if self.cache.remove(k)]
+        await self._report_evicted(gone)
+
+    async def _stop_instance(self, inst: _Instance, reason: str, drain_timeout_s: float = 0.0,
+                             host_keep_alive_s: float | None = None) -> None:
         inst.draining = True
         deadline = time.monotonic() + drain_timeout_s
         while self.runtime.running(inst.info.instance_id) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.runtime.detach(inst.info.instance_id)
         self.instances.pop(inst.info.instance_id, None)
+        released = list(inst.keys)
         while inst.keys:
             key = inst.keys.pop()
             await self._block_event(key[0], key[1], m.Tier.gpu, m.ReplicaState.evicted)
             await self._report_evicted(self.cache.unpin(key))
+        if host_keep_alive_s is not None:
+            task = asyncio.create_task(self._expire_after(released, host_keep_alive_s))
+            self._tasks.append(task)
         info = inst.info.model_copy(update={"state": m.InstanceState.stopped})
         await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=reason))
         log.info("instance %s stopped (%s)", inst.info.instance_id, reason)
@@ -446,7 +565,12 @@ class WorkerService(Service):
         async def command(cmd: m.WorkerCommand) -> m.CommandAck:
             op = cmd.root
             if isinstance(op, m.TransferPart):
-                return await self.transfers.accept(op)
+                self.transfers.blocks.expect(op)
+                try:
+                    return await self.transfers.accept(op)
+                except BaseException:
+                    await self.transfers.blocks.part_ended(op, False)
+                    raise
             if isinstance(op, m.LoadModel):
                 if op.instance_id in self.instances or op.instance_id in self._loading:
                     return m.CommandAck(accepted=True, detail="already loaded or loading")
@@ -458,10 +582,22 @@ class WorkerService(Service):
                     state=m.InstanceState.loading, created_at=time.time(), scale_op_id=op.scale_op_id)
                 asyncio.create_task(self._load(op, info))
                 return m.CommandAck(accepted=True, detail="loading")
+            if isinstance(op, m.FetchBlocks):
+                if not os.path.isdir(op.path):
+                    raise DomainError(f"checkpoint path {op.path!r} is not readable on {wid}", code="not_found")
+                asyncio.create_task(self._fetch(op))
+                return m.CommandAck(accepted=True, detail="fetching")
+            if isinstance(op, m.ReleaseBlocks):
+                for b in op.blocks:
+                    if (op.model, b) in self._kept:
+                        self._kept.discard((op.model, b))
+                        await self._report_evicted(self.cache.unpin((op.model, b)))
+                return m.CommandAck(accepted=True, detail="released")
             inst = self.instances.get(op.instance_id)
             if inst is None:
                 return m.CommandAck(accepted=False, detail=f"instance {op.instance_id} is not on {wid}")
-            asyncio.create_task(self._stop_instance(inst, "unloaded by planner", op.drain_timeout_s))
+            asyncio.create_task(self._stop_instance(inst, "unloaded by planner", op.drain_timeout_s,
+                                                    op.host_keep_alive_s))
             return m.CommandAck(accepted=True, detail="draining")
 
         @b.subscriber(subjects.worker_generate(wid))

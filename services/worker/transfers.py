@@ -45,6 +45,10 @@ class BlockStore(Protocol):
     async def store(self, model: str, block_id: int, buffer: torch.Tensor) -> None:
         """A received, verified block: keep it (e.g. in the host tier)."""
 
+    async def part_ended(self, part: m.TransferPart, ok: bool) -> None:
+        """The part is over (every stored block was stored before this); receives that did not
+        arrive never will."""
+
 
 class TransferAgent:
     def __init__(self, broker, transport: Transport, worker_id: str, blocks: BlockStore):
@@ -127,7 +131,8 @@ class TransferAgent:
                 report = m.TransferReport(
                     transfer_id=part.transfer_id, worker_id=self.worker_id, model=part.model, ok=True,
                     started_at=result.started_at, finished_at=result.finished_at,
-                    block_arrived_at=result.block_arrived_at, bytes_sent=result.bytes_sent,
+                    block_arrived_at=result.block_arrived_at, first_byte_at=result.first_byte_at,
+                    bytes_sent=result.bytes_sent,
                     bytes_received=result.bytes_received, scale_op_id=part.scale_op_id)
                 TRANSFER_BYTES.labels("sent", part.algorithm).inc(result.bytes_sent)
                 TRANSFER_BYTES.labels("received", part.algorithm).inc(result.bytes_received)
@@ -145,6 +150,7 @@ class TransferAgent:
                 await self._release(part.model, taken)
             # Every block event goes out before the report that ends the part.
             await asyncio.gather(*(asyncio.wrap_future(f) for f in announced), return_exceptions=True)
+            await self.blocks.part_ended(part, report.ok)
             await publish(self.broker, subjects.EVENT_TRANSFER, report)
 
     async def _release(self, model: str, blocks: list[int]) -> None:
