@@ -293,6 +293,30 @@ class PlannerService(Service):
         if span is not None:
             span.end()
 
+    async def start(self) -> None:
+        await super().start()
+        try:
+            await self.abort_orphaned_ops()
+        except (TimeoutError, RemoteError) as e:
+            log.warning("could not look for scale operations a previous planner left open: %s", e)
+
+    async def abort_orphaned_ops(self) -> list[str]:
+        """Operations a previous planner left running end as aborted: nobody follows them any more.
+        Their instances go on by themselves (each worker reports its own), and the load-monitor
+        repeats its request while the mismatch lasts, so the next operation picks up from there."""
+        view = await call(self.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=1000), m.ClusterView,
+                          timeout=5.0)
+        aborted = []
+        for op in view.scale_ops:
+            if op.state in ("planned", "running") and op.scale_op_id not in self._open_ops:
+                await self._record(op.model_copy(update={"state": "aborted", "error": "the planner restarted",
+                                                         "timings": {**op.timings, "done": time.time()}}))
+                aborted.append(op.scale_op_id)
+        if aborted:
+            log.warning("aborted %d scale operation(s) left open by a previous planner: %s", len(aborted),
+                        ", ".join(aborted))
+        return aborted
+
     # --- the parameter pool -----------------------------------------------------------------------
     def background(self):
         return [self._pool_loop()]
