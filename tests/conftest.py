@@ -118,3 +118,22 @@ def wait_for(predicate, timeout_s: float, what: str):
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def request_scale(nats_url: str, desired: int, model: str = "tiny", reason: str = "test burst") -> None:
+    """Ask the planner for `desired` instances, as the load-monitor would (default namespace)."""
+    import asyncio
+
+    from libs.protocol import messages as m
+    from libs.protocol import subjects
+    from libs.protocol.bus import make_broker, publish, start_broker
+
+    async def send():
+        broker = make_broker(nats_url)
+        await start_broker(broker)
+        try:
+            await publish(broker, subjects.SCALE_REQUEST, m.ScaleRequest(model=model, desired_instances=desired,
+                                                                         reason=reason))
+        finally:
+            await broker.stop()
+    asyncio.run(send())

@@ -6,7 +6,6 @@ complete host copy behind.
 Root only (skipped with the reason elsewhere); CI runs as root.
 """
 
-import asyncio
 import os
 import signal
 import threading
@@ -15,10 +14,8 @@ import uuid
 import httpx
 import pytest
 
-from conftest import running_cluster, wait_for
-from libs.protocol import messages as m
+from conftest import request_scale, running_cluster, wait_for
 from libs.protocol import subjects
-from libs.protocol.bus import make_broker, publish, start_broker
 from services.cli.emulation import EmulatedCluster, can_emulate
 
 _ok, _why = can_emulate()
@@ -79,15 +76,7 @@ def host_blocks(cluster) -> dict[str, set[int]]:
 
 
 def ask_for(cluster, desired: int) -> None:
-    async def send():
-        broker = make_broker(cluster.nats_url)
-        await start_broker(broker)
-        try:
-            await publish(broker, subjects.SCALE_REQUEST, m.ScaleRequest(model="tiny", desired_instances=desired,
-                                                                         reason="test burst"))
-        finally:
-            await broker.stop()
-    asyncio.run(send())
+    request_scale(cluster.nats_url, desired)
 
 
 def complete(cluster, max_tokens: int = 24) -> httpx.Response:

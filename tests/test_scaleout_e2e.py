@@ -2,17 +2,14 @@
 holding a host copy to new workers over the data plane (the deployment's scaling mode picks
 the algorithm), each new worker loads from its host tier, and the gateway serves from all."""
 
-import asyncio
 import threading
 import uuid
 
 import httpx
 import pytest
 
-from conftest import running_cluster, wait_for
-from libs.protocol import messages as m
+from conftest import request_scale, running_cluster, wait_for
 from libs.protocol import subjects
-from libs.protocol.bus import make_broker, publish, start_broker
 
 pytestmark = pytest.mark.slow
 
@@ -54,16 +51,6 @@ def sample(text: str, name: str, **labels) -> float:
     return 0.0
 
 
-async def ask_for(nats_url: str, desired: int) -> None:
-    broker = make_broker(nats_url)
-    await start_broker(broker)
-    try:
-        await publish(broker, subjects.SCALE_REQUEST, m.ScaleRequest(model="tiny", desired_instances=desired,
-                                                                     reason="test burst"))
-    finally:
-        await broker.stop()
-
-
 def test_a_scale_out_multicasts_from_the_host_copy_and_the_new_instances_serve(cluster, nats_url):
     # min_instances=1: the first instance reads the checkpoint from disk and leaves a host copy.
     first = wait_for(lambda: ready_workers(cluster), 60, "the first instance")
@@ -71,7 +58,7 @@ def test_a_scale_out_multicasts_from_the_host_copy_and_the_new_instances_serve(c
     wait_for(lambda: sample(worker_metrics(cluster)[source], "layercast_worker_block_load_bytes_total",
                             tier="ssd") > 0, 10, "the first load")  # process names are the worker ids
 
-    asyncio.run(ask_for(nats_url, 3))
+    request_scale(nats_url, 3)
     workers = wait_for(lambda: w if len(w := ready_workers(cluster)) == 3 else None, 60, "three instances")
     receivers = workers - first
 

@@ -157,8 +157,7 @@ class PlannerService(Service):
                                              for w, load in loads.items()))
             await asyncio.gather(*(self._command_load(op, w, load) for (w, load), ok in zip(loads.items(), created)
                                    if ok))
-            await recorded
-            await self._record(op)
+            await recorded  # the closing record (with every timing) comes after this one
             await self._maybe_close(op.scale_op_id)
         return op
 

@@ -333,6 +333,7 @@ class WorkerService(Service):
             attached = False
             loaded_bytes = 0
             arriving = _BlockFutures(wanted)
+            building: asyncio.Future | None = None
             try:
                 index = await asyncio.to_thread(CheckpointIndex.load, cmd.path)
                 for b in wanted:
@@ -353,12 +354,12 @@ class WorkerService(Service):
                 if from_disk:
                     jobs.append(await asyncio.to_thread(self.loader.start, cmd.path, index, from_disk))
                     job_of |= dict.fromkeys(from_disk, jobs[-1])
-                engine = None
-                if full:
-                    engine = await asyncio.to_thread(
-                        Engine, index, arriving, device=self.config.device,
-                        max_batch_size=self.config.max_batch_size, max_seq_len=self.config.max_seq_len,
-                        kv_cache_bytes=self.config.kv_cache_bytes)
+                # The engine is built beside the loop below (not before it): its construction (KV
+                # cache allocation, model skeleton) overlaps with the blocks' arrival and copies.
+                building = asyncio.ensure_future(asyncio.to_thread(
+                    Engine, index, arriving, device=self.config.device,
+                    max_batch_size=self.config.max_batch_size, max_seq_len=self.config.max_seq_len,
+                    kv_cache_bytes=self.config.kv_cache_bytes)) if full else None
                 for b in wanted:
                     t0 = time.perf_counter()
                     host_buf = cached.get(b)
@@ -401,8 +402,9 @@ class WorkerService(Service):
                     await self._block_event(cmd.model, b, m.Tier.gpu, m.ReplicaState.ready,
                                             device_buf.numel(), seconds, cmd.scale_op_id)
                     await self._block_event(cmd.model, b, m.Tier.host, m.ReplicaState.ready, host_buf.numel())
-                    if engine is not None and not attached and self.config.serve_while_loading:
-                        await self._attach(engine, info, cmd, pinned, "first block ready, rest loading")
+                    if building is not None and building.done() and not attached and \
+                            self.config.serve_while_loading:
+                        await self._attach(building.result(), info, cmd, pinned, "serving, rest loading")
                         attached = True
                 for done in jobs:
                     self._observe_bandwidth("ssd_to_host", done.stats.bytes, done.stats.finished_s or 0.0)
@@ -413,12 +415,14 @@ class WorkerService(Service):
                     # (activations between stages) is the engine issue's work.
                     raise DomainError("only full-model local instances can serve in this version")
                 if not attached:
-                    await self._attach(engine, info, cmd, pinned, "loaded")
+                    await self._attach(await building, info, cmd, pinned, "loaded")
                 await self._loaded(cmd.instance_id)
             except Exception as e:
                 log.exception("loading %s failed", cmd.model)
                 span.record_exception(e)
                 arriving.fail(e)
+                if building is not None:
+                    building.add_done_callback(lambda f: f.exception())  # its outcome no longer matters
                 for j in jobs:
                     await asyncio.to_thread(j.cancel)
                 if attached and self.instances.pop(iid, None) is not None:
