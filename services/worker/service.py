@@ -50,6 +50,7 @@ BLOCK_BYTES = Counter("layercast_worker_block_load_bytes_total", "Bytes of block
 LOAD_BANDWIDTH = Gauge("layercast_worker_load_bandwidth_bytes_per_second", "Measured load bandwidth (moving average)",
                        ["link"])
 BANDWIDTH_EWMA_ALPHA = 0.3  # weight of the newest load in the per-link moving average
+WORKER_THREADS = 64  # threads for the worker's blocking waits (see start())
 RUNNING = Gauge("layercast_worker_running_requests", "Requests running on this worker")
 
 
@@ -226,6 +227,10 @@ class WorkerService(Service):
         LOAD_BANDWIDTH.labels(link).set(new * 1e9)
 
     async def start(self) -> None:
+        # Blocking waits (transfer runs, disk blocks, paced copies, engine builds) go to threads;
+        # asyncio's default pool (cpu_count + 4: 6 on 2 cores) would queue a load behind them.
+        asyncio.get_running_loop().set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(max_workers=WORKER_THREADS, thread_name_prefix="worker"))
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         if self.config.host_arena_bytes:
