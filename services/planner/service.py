@@ -183,16 +183,9 @@ class PlannerService(Service):
                                transfer_id=transfer_id, model=model.name,
                                stall_timeout_s=TRANSFER_STALL_S, scale_op_id=op.scale_op_id)
 
-        async def send(worker_id: str) -> str | None:
-            try:
-                ack = await call(self.broker, subjects.worker_command(worker_id), parts[worker_id], m.CommandAck,
-                                 timeout=5.0)
-                return None if ack.accepted else ack.detail
-            except (TimeoutError, RemoteError) as e:
-                return str(e)
-
         for group in ([w for w in parts if w in receivers], [w for w in parts if w not in receivers]):
-            refused = {w: why for w, why in zip(group, await asyncio.gather(*(send(w) for w in group))) if why}
+            answers = await asyncio.gather(*(self._command(w, parts[w]) for w in group))
+            refused = {w: why for w, why in zip(group, answers) if why}
             if refused:
                 log.warning("scale-up %s: %s refused their %s parts (%s); targets load on their own",
                             op.scale_op_id, ",".join(refused), plan.algorithm, "; ".join(refused.values()))
@@ -202,15 +195,21 @@ class PlannerService(Service):
                  ",".join(sources[: plan.k]), ",".join(receivers))
         return transfer_id
 
-    async def _command_load(self, op: m.ScaleOpInfo, worker_id: str, load: m.LoadModel) -> None:
+    async def _command(self, worker_id: str, cmd: m.Message) -> str | None:
+        """Send a worker one command; None once it accepted, else why not (refused, gone, silent)."""
         try:
-            ack = await call(self.broker, subjects.worker_command(worker_id), load, m.CommandAck, timeout=5.0)
-            if not ack.accepted:
-                raise RemoteError(subjects.worker_command(worker_id), m.ErrorReply(error=ack.detail))
-            log.info("scale-up %s: %s loads %s", op.scale_op_id, worker_id, load.model)
+            ack = await call(self.broker, subjects.worker_command(worker_id), cmd, m.CommandAck, timeout=5.0)
+            return None if ack.accepted else ack.detail or "refused"
         except (TimeoutError, RemoteError) as e:
-            log.warning("scale-up %s: worker %s refused: %s", op.scale_op_id, worker_id, e)
-            await self._load_failed(op, worker_id, load, str(e))
+            return str(e)
+
+    async def _command_load(self, op: m.ScaleOpInfo, worker_id: str, load: m.LoadModel) -> None:
+        why = await self._command(worker_id, load)
+        if why is None:
+            log.info("scale-up %s: %s loads %s", op.scale_op_id, worker_id, load.model)
+        else:
+            log.warning("scale-up %s: worker %s refused: %s", op.scale_op_id, worker_id, why)
+            await self._load_failed(op, worker_id, load, why)
 
     async def _load_failed(self, op: m.ScaleOpInfo, worker_id: str, load: m.LoadModel, reason: str) -> None:
         self._waiting.pop(load.instance_id, None)
@@ -367,19 +366,16 @@ class PlannerService(Service):
                                  model.blocks, transfer_id=f"pool-{uuid.uuid4().hex[:12]}", model=model.name,
                                  stall_timeout_s=TRANSFER_STALL_S)
             for worker_id, part in parts.items():
-                try:
-                    await call(self.broker, subjects.worker_command(worker_id), part, m.CommandAck, timeout=5.0)
-                except (TimeoutError, RemoteError) as e:
+                if why := await self._command(worker_id, part):
                     log.warning("pool copy of %s: %s refused its part (%s); the disk serves instead",
-                                model.name, worker_id, e)
+                                model.name, worker_id, why)
                     break
-        try:
-            await call(self.broker, subjects.worker_command(fill.worker), m.FetchBlocks(
-                model=model.name, path=model.path, blocks=list(fill.blocks), keep=True), m.CommandAck, timeout=5.0)
+        fetch = m.FetchBlocks(model=model.name, path=model.path, blocks=list(fill.blocks), keep=True)
+        if why := await self._command(fill.worker, fetch):
+            log.warning("pool copy of %s on %s failed: %s", model.name, fill.worker, why)
+        else:
             log.info("pool copy of %s: %s keeps blocks %s (%d from peers, %d from disk)", model.name, fill.worker,
                      list(fill.blocks), len(fill.from_peers), len(fill.from_disk))
-        except (TimeoutError, RemoteError) as e:
-            log.warning("pool copy of %s on %s failed: %s", model.name, fill.worker, e)
 
     async def _release_pool(self, model: m.ModelInfo) -> None:
         """A deleted model's pool copy may leave the host tiers (workers release only what they keep)."""
@@ -387,11 +383,8 @@ class PlannerService(Service):
         self._pool_fills = {k: t for k, t in self._pool_fills.items() if k[0] != model.name}
         release = m.ReleaseBlocks(model=model.name, blocks=[b.block_id for b in model.blocks])
         for w in view.workers:
-            if w.state == "alive":
-                try:
-                    await call(self.broker, subjects.worker_command(w.worker_id), release, m.CommandAck, timeout=5.0)
-                except (TimeoutError, RemoteError) as e:
-                    log.warning("releasing the pool copy of %s on %s: %s", model.name, w.worker_id, e)
+            if w.state == "alive" and (why := await self._command(w.worker_id, release)):
+                log.warning("releasing the pool copy of %s on %s: %s", model.name, w.worker_id, why)
 
     def _subscribe(self) -> None:
         b = self.broker
