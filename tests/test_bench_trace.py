@@ -28,8 +28,8 @@ def trace_csv(tmp_path_factory) -> Path:
         return SHARED_TRACE
     path = tmp_path_factory.mktemp("trace") / "synthetic.csv"
     rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
-    for i in range(40):  # two bursts, 30 s apart
-        t = (i % 20) * 0.05 + (30 if i >= 20 else 0)
+    for i in range(100):  # two bursts of 50 requests, 30 s apart
+        t = (i % 50) * 0.02 + (30 if i >= 50 else 0)
         rows.append(f"2023-11-16 18:17:{int(t):02d}.{int((t % 1) * 1e7):07d},{100 + 97 * i},{5 + i}")
     path.write_text("\n".join(rows) + "\n")
     return path

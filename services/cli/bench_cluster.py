@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import threading
 import time
 import uuid
@@ -317,9 +318,19 @@ class ClusterHandle:
             return 0
         return int(self.settings["workers"]) if self.mode == "ideal" else 1
 
+    @staticmethod
+    def _fully_loaded(instance: dict, info: dict) -> bool:
+        """Every block of the instance is in engine memory (`gpu` tier) on its stage's worker."""
+        if instance.get("loaded_at"):
+            return True
+        engine = {(r["worker_id"], r["block_id"]) for r in info["replicas"]
+                  if r["tier"] == "gpu" and r["state"] == "ready"}
+        return all((s["worker_id"], b) in engine for s in instance["stages"]
+                   for b in range(s["block_start"], s["block_end"]))
+
     def wait_settled(self, timeout_s: float = 120.0, quiet_s: float = 1.0) -> bool:
         """Until the deployment is at rest: no instance or replica loading (a ready instance that
-        serves while loading counts as loading until its `loaded_at`), the mode's host copies
+        serves while loading counts as loading until every block is in engine memory), the mode's host copies
         in place, and nothing changed for quiet_s. False (not raised) when that did not happen in
         time, e.g. on a tree whose planner keeps no pool for this mode."""
         deadline = time.monotonic() + timeout_s
@@ -330,7 +341,7 @@ class ClusterHandle:
             except httpx.HTTPError:
                 time.sleep(0.2)
                 continue
-            busy = any(i["state"] == "loading" or (i["state"] == "ready" and "loaded_at" in i and not i["loaded_at"])
+            busy = any(i["state"] == "loading" or (i["state"] == "ready" and not self._fully_loaded(i, info))
                        for i in info["instances"]) or any(r["state"] == "loading" for r in info["replicas"])
             snapshot = (sorted((i["instance_id"], i["state"]) for i in info["instances"]),
                         sorted((r["worker_id"], r["block_id"], r["tier"], r["state"]) for r in info["replicas"]))
@@ -376,6 +387,20 @@ def service_env(*, target_concurrency: int | None = None, scale_down_delay_s: fl
            "LAYERCAST_QUEUE_TIMEOUT": queue_timeout_s, "LAYERCAST_MAX_CONTEXT": max_context,
            "LAYERCAST_SLOTS_PER_INSTANCE": slots_per_instance, "LAYERCAST_KV_CACHE_GB": kv_cache_gb}
     return {k: f"{v:g}" if isinstance(v, float) else str(v) for k, v in env.items() if v is not None}
+
+
+def _sigterm_unwinds(stack: ExitStack) -> None:
+    """Make SIGTERM (e.g. from `timeout`) raise in the main thread while the cluster runs, so the
+    stack stops its processes (they run in their own sessions and would outlive us otherwise)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    stack.callback(signal.signal, signal.SIGTERM, signal.SIG_DFL)  # registered first: restored last
 
 
 def drop_checkpoint_cache(path: Path) -> None:
@@ -444,6 +469,7 @@ def mode_cluster(mode: str, *, workers: int, model_path: Path, state_dir: Path, 
     if cold_start:
         drop_checkpoint_cache(Path(model_path))
     with ExitStack() as stack:
+        _sigterm_unwinds(stack)
         emulation = None
         if emulate:
             cm, used = _emulation_context(workers, profile, Path(model_path).resolve())

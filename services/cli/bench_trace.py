@@ -341,6 +341,7 @@ def summarize_mode(mode: str, handle: ClusterHandle, wall0: float, outcomes: Seq
         "completion_tokens": sum(o.tokens for o in ok),
         "window_s": round(t_end - wall0, 3),
         "send_lag_s": percentiles(lag),
+        "settled": handle.settings.get("settled"),  # the deployment was at rest before the replay
         # each instance: [id, start, end (None: still up at the window's end), states seen], replay time
         "instances": [[iid, round(st - wall0, 3), None if en >= t_end else round(en - wall0, 3),
                        [k for k, _ in groupby(r.state for r in records if r.instance_id == iid)]]
@@ -497,7 +498,8 @@ def run_trace_benchmark(trace: Path, modes: Sequence[str], tf: Transform, cfg: T
         series[mode] = s
 
     settings = dict(settings or {})
-    settings.pop("deploy", None)
+    for key in ("deploy", "settled", "settle_s"):  # per mode: in the results
+        settings.pop(key, None)
     settings.update({
         "model": str(model), "model_preset": None if cfg.model_path else cfg.preset, "blocks": cfg.blocks,
         "bench_model": (json.loads((model / BENCH_MODEL_MARKER).read_text())
