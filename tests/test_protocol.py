@@ -29,10 +29,14 @@ def test_unknown_versions_and_bad_fields_are_rejected_unknown_fields_ignored():
 
 
 def test_subjects_live_under_the_namespace():
-    names = [v for k, v in vars(subjects).items() if k.isupper() and isinstance(v, str) and k != "PREFIX"]
-    names += [subjects.worker_command("w"), subjects.tokens("g", "r"), subjects.tokens_wildcard("g")]
+    names = [v for k, v in vars(subjects).items() if k.isupper() and isinstance(v, str)
+             and k not in ("PREFIX", "PLAN_STREAM")]
+    names += [subjects.worker_command("w"), subjects.worker_plan("w"), subjects.tokens("g", "r"),
+              subjects.tokens_wildcard("g")]
     assert all(n.startswith(subjects.PREFIX + ".") for n in names)
     assert len(set(names)) == len(names)
+    # A stream's name is one token (no dots), still the namespace's own.
+    assert subjects.PLAN_STREAM == f"{subjects.PREFIX}-plans"
 
 
 async def test_a_request_waits_briefly_for_a_responder_that_is_still_subscribing(nats_url):

@@ -192,3 +192,35 @@ async def test_concurrent_timing_reports_on_one_scale_op_are_all_kept(database_u
         assert set(stored.timings) == {"decided", "done", *events} and stored.state == "done"
     finally:
         await engine.dispose()
+
+
+async def test_instance_states_only_move_forward(database_url):
+    """Late events never undo later ones: a planner's late "loading" does not undo "ready",
+    a worker's "ready" or "every block loaded" does not route a draining instance again,
+    and stopped is final. Both times (serving, loaded) are kept."""
+    from libs.db.engine import make_engine
+    from libs.db.store import RegistryStore
+
+    migrate(database_url)
+    engine = make_engine(database_url)
+    try:
+        store = RegistryStore(engine)
+        base = m.InstanceInfo(instance_id="i-forward", model="demo", state=m.InstanceState.loading,
+                              stages=[m.Stage(worker_id="w1", block_start=0, block_end=2)], created_at=time.time())
+
+        async def state_after(**update) -> m.InstanceInfo:
+            await store.record_instance(base.model_copy(update=update))
+            (row,) = [i for i in await store.list_instances(live_only=False) if i.instance_id == "i-forward"]
+            return row
+
+        assert (await state_after()).state == m.InstanceState.loading
+        ready = await state_after(state=m.InstanceState.ready, ready_at=100.0)
+        assert ready.state == m.InstanceState.ready and ready.ready_at == pytest.approx(100.0)
+        assert (await state_after(state=m.InstanceState.loading)).state == m.InstanceState.ready
+        assert (await state_after(state=m.InstanceState.draining)).state == m.InstanceState.draining
+        late = await state_after(state=m.InstanceState.ready, ready_at=100.0, loaded_at=105.0)
+        assert late.state == m.InstanceState.draining and late.loaded_at == pytest.approx(105.0)
+        assert (await state_after(state=m.InstanceState.stopped)).state == m.InstanceState.stopped
+        assert (await state_after(state=m.InstanceState.ready)).state == m.InstanceState.stopped
+    finally:
+        await engine.dispose()

@@ -65,6 +65,7 @@ def _instance_info(row: Instance) -> m.InstanceInfo:
         state=row.state,
         created_at=to_ts(row.created_at),
         ready_at=to_ts(row.ready_at),
+        loaded_at=to_ts(row.loaded_at),
         scale_op_id=row.scale_op_id,
     )
 
@@ -246,9 +247,15 @@ class RegistryStore:
                 return
             elif info.state == m.InstanceState.loading and row.state != "loading":
                 return  # a late "loading" (the planner's) never undoes the worker's "ready"
+            if row.state == "draining" and info.state == m.InstanceState.ready:
+                # A drain was asked for: a late "ready" (an attach racing the drain, or the
+                # worker's "every block loaded") only adds its times, never routes it again.
+                info = info.model_copy(update={"state": m.InstanceState.draining})
             row.state = info.state.value
-            if info.state == m.InstanceState.ready and row.ready_at is None:
+            if row.ready_at is None and (info.ready_at is not None or info.state == m.InstanceState.ready):
                 row.ready_at = to_dt(info.ready_at or time.time())
+            if info.loaded_at is not None and row.loaded_at is None:
+                row.loaded_at = to_dt(info.loaded_at)
             if info.state in (m.InstanceState.stopped, m.InstanceState.failed):
                 row.stopped_at = to_dt(time.time())
 

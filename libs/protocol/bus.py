@@ -150,7 +150,11 @@ async def call(broker: NatsBroker, subject: str, request: BaseModel, reply_model
             if name in ("TimeoutError", "NoRespondersError"):
                 raise TimeoutError(f"no answer on {subject} within {timeout}s") from e
             raise
-    body = await response.decode()
+    return parse_reply(subject, await response.decode(), reply_model)
+
+
+def parse_reply(subject: str, body: Any, reply_model: type[R]) -> R:
+    """An answer's body as `reply_model`; an ErrorReply raises RemoteError."""
     if isinstance(body, dict) and "error" in body and "code" in body:
         raise RemoteError(subject, ErrorReply.model_validate(body))
     return reply_model.model_validate(body)

@@ -5,6 +5,7 @@ Kinds:
 - RPC: core NATS request/reply; the request and reply models are named beside it.
 - EVENT: publish/subscribe, fire and forget; every service may listen.
 - STREAM: per-request token streams (core NATS, one subject per request).
+- JETSTREAM: kept in a JetStream stream until the receiver acks (scale-operation parts).
 
 Bulk bytes (blocks, activations) never travel over NATS: see libs/transfer.
 """
@@ -72,6 +73,16 @@ QUIET_SUBJECTS = (EVENT_HEARTBEAT, METRICS_GATEWAY, METRICS_WORKER, REGISTRY_CLU
 def worker_command(worker_id: str) -> str:
     """RPC LoadModel | UnloadModel -> CommandAck (planner -> worker)."""
     return f"{PREFIX}.worker.{worker_id}.command"
+
+
+def worker_plan(worker_id: str) -> str:
+    """JETSTREAM TransferPart | LoadModel (planner -> worker): a worker's part of a scale-out, kept
+    in PLAN_STREAM until the worker acks it; answered with a CommandAck (libs/protocol/plans.py)."""
+    return f"{PREFIX}.plan.{worker_id}"
+
+
+# The stream holding scale-operation parts (stream names cannot contain dots).
+PLAN_STREAM = f"{PREFIX}-plans"
 
 
 def worker_generate(worker_id: str) -> str:

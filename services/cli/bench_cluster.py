@@ -422,7 +422,7 @@ def mode_cluster(mode: str, *, workers: int, model_path: Path, state_dir: Path, 
                  target_concurrency: int | None = None, scale_down_delay_s: float | None = None,
                  queue_timeout_s: float | None = None, max_context: int | None = None,
                  slots_per_instance: int | None = None, kv_cache_gb: float | None = None,
-                 torch_threads: int = 1, heartbeat_ttl_s: float = 5.0, nats_url: str | None = None,
+                 torch_threads: int = 1, heartbeat_ttl_s: float = 15.0, nats_url: str | None = None,
                  database_url: str | None = None, namespace: str | None = None,
                  extra_env: dict[str, str] | None = None, wait_min_ready: bool = True,
                  start_timeout_s: float = 120.0, ready_timeout_s: float = 180.0, cold_start: bool = True,
@@ -438,6 +438,8 @@ def mode_cluster(mode: str, *, workers: int, model_path: Path, state_dir: Path, 
     - keep_alive_s and any other field of the deploy body (`max_queue`, ...) as keyword arguments.
     - target_concurrency, scale_down_delay_s (load-monitor), queue_timeout_s, max_context,
       slots_per_instance (gateway), kv_cache_gb (workers): None leaves the service's default.
+    - heartbeat_ttl_s: longer than a production registry's 5 s: a bench packs many workers onto
+      few cores, and a worker whose heartbeats are late under that load is not dead.
     - emulate: root; `profile` an EmulationProfile (or a dict of its fields; None: the default
       profile); disk caps apply to the disk holding `model_path`.
     - nats_url: an existing NATS server (default: the cluster's own); namespace: default unique.

@@ -159,7 +159,7 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
             ops = [o for o in d["scale_ops"] if o["direction"] == "up" and o["from_instances"] == from_n] if d else []
             if not ops or ops[0]["state"] not in ("done", "failed", "aborted"):
                 return None
-            ended = sum(k.startswith(("loaded:", "failed:")) for k in ops[0]["timings"])
+            ended = sum(k.startswith(("loaded:", "failed:", "stopped:", "draining:")) for k in ops[0]["timings"])
             return ops[0] if ended >= to_n - from_n or ops[0]["state"] != "done" else None
         op = h.recorder.wait_for(lambda _r: finished(), timeout_s, f"{mode}: the scale-out to {to_n}")
         end = time.time()
@@ -175,6 +175,9 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
                 "instance_ready_s": loaded, "all_ready_s": all_ready, "bound_s": bound,
                 "ratio_to_bound": all_ready / bound if all_ready and bound else None,
                 "tokens_per_s_timeline": counter.timeline(decided, end + 1.0), "failed_requests": counter.failed,
+                # where decision -> first byte went: planned, parts acked (first_send), first byte
+                "timings_s": {k: round(v - decided, 4) for k, v in sorted(t.items(), key=lambda kv: kv[1])
+                              if not k.startswith("block:")},
                 "model_bytes": model_bytes}
 
 
@@ -201,8 +204,8 @@ def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: in
         median = dict(ordered[(len(ordered) - 1) // 2])
         median |= {"first_byte_s": _median([r["first_byte_s"] for r in trials]),
                    "all_ready_s": _median([r["all_ready_s"] for r in trials]),
-                   "trials": [{k: r[k] for k in ("first_byte_s", "all_ready_s", "bound_s", "ratio_to_bound")}
-                              for r in trials]}
+                   "trials": [{k: r[k] for k in ("first_byte_s", "all_ready_s", "bound_s", "ratio_to_bound",
+                                                 "timings_s")} for r in trials]}
         if median["all_ready_s"] and median["bound_s"]:
             median["ratio_to_bound"] = median["all_ready_s"] / median["bound_s"]
         results.append(median)

@@ -7,6 +7,7 @@ Used by `layercast up/down/status` and by the integration tests.
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,8 +29,40 @@ class ClusterError(RuntimeError):
     pass
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, never handed out before by this process, below the kernel's ephemeral range.
+
+    A port the kernel hands out for bind(0) comes from the ephemeral range, from
+    which every outgoing connection also takes its local port: between closing
+    the probe and the service binding it, a client socket could take it (CI saw
+    exactly that). Below the range only explicit binds compete; remembering what
+    we handed out keeps two services of one cluster from drawing the same port.
+    """
+    low = _ephemeral_range()[0]
+    floor = 10000 if low > 12000 else 1024
+    for _ in range(200):
+        port = random.randrange(floor, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # the range below is exhausted: take what the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -22,6 +22,7 @@ from libs.planning.scaleout import MulticastPlan, plan_nodes, scaleout_plan
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import RemoteError, call, on_event, publish
+from libs.protocol.plans import ensure_plan_stream, send_part
 from libs.telemetry import tracer
 from services.common.runner import Service
 from services.common.transfer_parts import gather_parts, transfer_parts
@@ -40,10 +41,11 @@ LIVE = (m.InstanceState.loading, m.InstanceState.ready)
 # The `serverlessllm` baseline's host cache keeps a stopped model's blocks this long (λScale §2.3
 # measured 15 s on multi-tenant hosts; BlitzScale assumes 5 min): --serverlessllm-keep-alive.
 SERVERLESSLLM_KEEP_ALIVE_S = 15.0
-TRANSFER_STALL_S = 15.0
+TRANSFER_STALL_S = 15.0  # a receiver that gets no byte for this long fails its part (then loads from disk)
+COMMAND_TIMEOUT_S = 5.0  # a worker that has not answered a command by then has failed it
 POOL_CHECK_S = 5.0  # how often the parameter pool's invariant is checked (also on deploy and worker loss)
 POOL_FILL_GRACE_S = 120.0  # a fill in flight is not repeated for this long
-NO_POOL_MODES = ("serverlessllm", "static")  # baselines without a cluster-wide host copy  # a receiver that gets no byte for this long fails its part (then loads from disk)
+NO_POOL_MODES = ("serverlessllm", "static")  # baselines without a cluster-wide host copy
 
 
 def _stage(load: m.LoadModel, worker_id: str) -> m.Stage:
@@ -195,16 +197,27 @@ class PlannerService(Service):
                  ",".join(sources[: plan.k]), ",".join(receivers))
         return transfer_id
 
-    async def _command(self, worker_id: str, cmd: m.Message) -> str | None:
-        """Send a worker one command; None once it accepted, else why not (refused, gone, silent)."""
+    async def _command(self, worker_id: str, cmd: m.Message, part_id: str | None = None) -> str | None:
+        """Send a worker one command; None once it accepted, else why not (refused, gone, silent).
+
+        Parts of a plan (a TransferPart, a LoadModel) go through the JetStream plan stream, the
+        rest (unload, fetch, release) as RPCs."""
         try:
-            ack = await call(self.broker, subjects.worker_command(worker_id), cmd, m.CommandAck, timeout=5.0)
+            if isinstance(cmd, (m.TransferPart, m.LoadModel)):
+                # The stream drops a part whose id it has seen: a resent one needs its own id.
+                part_id = part_id or (f"{cmd.transfer_id}:{worker_id}" if isinstance(cmd, m.TransferPart)
+                                      else f"{cmd.instance_id}:load")
+                ack = await send_part(self.broker._connection, worker_id, cmd, part_id, COMMAND_TIMEOUT_S)
+            else:
+                ack = await call(self.broker, subjects.worker_command(worker_id), cmd, m.CommandAck,
+                                 timeout=COMMAND_TIMEOUT_S)
             return None if ack.accepted else ack.detail or "refused"
         except (TimeoutError, RemoteError) as e:
             return str(e)
 
-    async def _command_load(self, op: m.ScaleOpInfo, worker_id: str, load: m.LoadModel) -> None:
-        why = await self._command(worker_id, load)
+    async def _command_load(self, op: m.ScaleOpInfo, worker_id: str, load: m.LoadModel,
+                            part_id: str | None = None) -> None:
+        why = await self._command(worker_id, load, part_id)
         if why is None:
             log.info("scale-up %s: %s loads %s", op.scale_op_id, worker_id, load.model)
         else:
@@ -253,7 +266,8 @@ class PlannerService(Service):
                 try:
                     await call(self.broker, subjects.worker_command(inst.entry_worker), m.UnloadModel(
                         instance_id=inst.instance_id, drain_timeout_s=self.drain_timeout_s,
-                        scale_op_id=op.scale_op_id, host_keep_alive_s=host_keep_alive_s), m.CommandAck, timeout=5.0)
+                        scale_op_id=op.scale_op_id, host_keep_alive_s=host_keep_alive_s), m.CommandAck,
+                        timeout=COMMAND_TIMEOUT_S)
                 except (TimeoutError, RemoteError) as e:
                     # The worker is gone or never had it: the instance is over either way.
                     log.warning("scale-down %s: %s: %s", op.scale_op_id, inst.entry_worker, e)
@@ -293,27 +307,53 @@ class PlannerService(Service):
 
     async def start(self) -> None:
         await super().start()
+        await ensure_plan_stream(self.broker._connection)
         try:
-            await self.abort_orphaned_ops()
+            await self.resume_open_ops()
         except (TimeoutError, RemoteError) as e:
             log.warning("could not look for scale operations a previous planner left open: %s", e)
 
-    async def abort_orphaned_ops(self) -> list[str]:
-        """Operations a previous planner left running end as aborted: nobody follows them any more.
-        Their instances go on by themselves (each worker reports its own), and the load-monitor
-        repeats its request while the mismatch lasts, so the next operation picks up from there."""
+    async def resume_open_ops(self) -> dict[str, str]:
+        """Take over the scale operations a previous planner left open (scale_op_id -> outcome).
+
+        A scale-out whose instances are still on their way is resumed: each one's LoadModel is
+        sent again (idempotent on the worker: a load that is running or done just says so; one
+        that never reached the worker starts now) and the operation is followed to its end as
+        usual. One with nothing left to follow, and any scale-in (its drains were sent or its
+        victims are still serving; the load-monitor repeats its request), ends as aborted."""
         view = await call(self.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=1000), m.ClusterView,
-                          timeout=5.0)
-        aborted = []
+                          timeout=COMMAND_TIMEOUT_S)
+        models = {x.name: x for x in view.models}
+        outcomes: dict[str, str] = {}
         for op in view.scale_ops:
-            if op.state in ("planned", "running") and op.scale_op_id not in self._open_ops:
+            if op.state not in ("planned", "running") or op.scale_op_id in self._open_ops:
+                continue
+            pending = [i for i in view.instances if i.scale_op_id == op.scale_op_id and
+                       (i.state == m.InstanceState.loading or i.state == m.InstanceState.ready and i.loaded_at is None)]
+            model = models.get(op.model)
+            if op.direction != "up" or not pending or model is None:
                 await self._record(op.model_copy(update={"state": "aborted", "error": "the planner restarted",
                                                          "timings": {**op.timings, "done": time.time()}}))
-                aborted.append(op.scale_op_id)
-        if aborted:
-            log.warning("aborted %d scale operation(s) left open by a previous planner: %s", len(aborted),
-                        ", ".join(aborted))
-        return aborted
+                outcomes[op.scale_op_id] = "aborted"
+                continue
+            self._open_ops[op.scale_op_id] = op
+            self._op_spans[op.scale_op_id] = _tracer.start_span("planner.scale_up.resumed", attributes={
+                "layercast.model": op.model, "layercast.scale_op": op.scale_op_id,
+                "layercast.instances": ",".join(i.instance_id for i in pending)})
+            for inst in pending:
+                self._waiting[inst.instance_id] = op.scale_op_id
+            OPEN_OPS.set(len(self._open_ops))
+            outcomes[op.scale_op_id] = "resumed"
+            log.warning("resuming scale operation %s left open by a previous planner: %d instance(s) to follow",
+                        op.scale_op_id, len(pending))
+            for inst in pending:
+                stage = inst.stages[0]
+                load = m.LoadModel(instance_id=inst.instance_id, model=op.model, path=model.path,
+                                   block_start=stage.block_start, block_end=stage.block_end,
+                                   scale_op_id=op.scale_op_id, preheld=model.scaling_mode == "ideal")
+                await self._command_load(op, stage.worker_id, load, part_id=f"{inst.instance_id}:resume")
+            await self._maybe_close(op.scale_op_id)
+        return outcomes
 
     # --- the parameter pool -----------------------------------------------------------------------
     def background(self):
@@ -418,10 +458,11 @@ class PlannerService(Service):
                 if span is not None:
                     span.add_event("instance_loaded", attrs)
             else:
+                # failed, or stopped/draining: a scale-in took it before it was loaded
                 if op is not None:
-                    op.timings[f"failed:{inst.instance_id}"] = time.time()
+                    op.timings[f"{inst.state.value}:{inst.instance_id}"] = time.time()
                 if span is not None:
-                    span.add_event("instance_failed", attrs)
+                    span.add_event(f"instance_{inst.state.value}", attrs)
             del self._waiting[inst.instance_id]
             await self._maybe_close(op_id)
 

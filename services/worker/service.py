@@ -34,6 +34,7 @@ from libs.engine import Engine, SamplingParams, TokenOutput
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import DomainError, call, on_event, publish, rpc
+from libs.protocol.plans import consume_parts
 from libs.telemetry import tracer, unsampled
 from libs.transfer.base import Transport, TransferError
 from libs.transfer.tcp import TcpTransport
@@ -177,6 +178,10 @@ class _Request:
     streamed: bool = False  # a token went out (its hop is in the trace)
 
 
+class _LoadStopped(Exception):
+    """A load ended on purpose (the instance was unloaded before it finished), not a failure."""
+
+
 class WorkerService(Service):
     name = "worker"
 
@@ -194,10 +199,12 @@ class WorkerService(Service):
         self.transfers: TransferAgent | None = None
         self._registered = False
         self._loading: set[str] = set()
+        self._unload_asked: set[str] = set()  # loading instances the planner stopped: their loads end early
         # (model, block) -> future of its host buffer, for blocks a running transfer brings
         self._incoming: dict[tuple[str, int], asyncio.Future] = {}
         self.pacer = make_pacer(config.emulated_host_to_device_mbit)
         self._kept: set[tuple[str, int]] = set()  # pinned by FetchBlocks (the parameter pool)
+        self._plan_parts = None  # the JetStream subscription for scale-operation parts
         self._tokens_since = 0
         self._subscribe()
 
@@ -243,6 +250,9 @@ class WorkerService(Service):
         self.transfers = TransferAgent(self.broker, self.transport, self.config.worker_id, _HostTierBlocks(self))
         log.info("data plane listening on %s", self.transport.address)
         await super().start()
+        # Scale-out parts come through JetStream (kept until taken); other commands as RPCs.
+        self._plan_parts = await consume_parts(self.broker._connection, self.config.worker_id,
+                                               rpc(m.WorkerCommand)(self._command))
         # The registry may start after us: retry until it answers.
         while True:
             try:
@@ -278,6 +288,8 @@ class WorkerService(Service):
         return RdmaTransport(c.worker_id, exchange, device_name=c.rdma_device)
 
     async def stop(self) -> None:
+        if self._plan_parts is not None:
+            await self._plan_parts.unsubscribe()
         for inst in list(self.instances.values()):
             await self._stop_instance(inst, reason="worker shutting down")
         if self.transfers:
@@ -395,8 +407,8 @@ class WorkerService(Service):
                         await self._report_evicted(self.cache.put((cmd.model, b), host_buf))
                         await asyncio.to_thread(self._pace, device_buf.numel(), cmd.preheld)
                     arriving.set(b, device_buf)
-                    if attached and iid not in self.instances:
-                        raise RuntimeError("instance stopped while loading")
+                    if iid in self._unload_asked or attached and iid not in self.instances:
+                        raise _LoadStopped("unloaded by planner while loading")
                     seconds = time.perf_counter() - t0
                     BLOCK_BYTES.labels(tier.value).inc(device_buf.numel())
                     span.add_event("block_ready", {"layercast.block": b, "layercast.from_tier": tier.value,
@@ -420,11 +432,18 @@ class WorkerService(Service):
                     # (activations between stages) is the engine issue's work.
                     raise DomainError("only full-model local instances can serve in this version")
                 if not attached:
-                    await self._attach(await building, info, cmd, pinned, "loaded")
+                    engine = await building
+                    if iid in self._unload_asked:
+                        raise _LoadStopped("unloaded by planner while loading")
+                    await self._attach(engine, info, cmd, pinned, "loaded")
                 await self._loaded(cmd.instance_id)
             except Exception as e:
-                log.exception("loading %s failed", cmd.model)
-                span.record_exception(e)
+                stopped = isinstance(e, _LoadStopped)
+                if stopped:
+                    log.info("load of %s as %s ended: %s", cmd.model, iid, e)
+                else:
+                    log.exception("loading %s failed", cmd.model)
+                    span.record_exception(e)
                 arriving.fail(e)
                 if building is not None:
                     building.add_done_callback(lambda f: f.exception())  # its outcome no longer matters
@@ -436,11 +455,13 @@ class WorkerService(Service):
                     await self._block_event(cmd.model, b, m.Tier.gpu, m.ReplicaState.evicted)
                 while pinned:
                     await self._report_evicted(self.cache.unpin(pinned.pop()))
-                info = info.model_copy(update={"state": m.InstanceState.failed})
+                info = info.model_copy(update={"state": m.InstanceState.stopped if stopped
+                                               else m.InstanceState.failed})
                 await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=str(e)))
                 return
             finally:
                 self._loading.discard(iid)
+                self._unload_asked.discard(iid)
 
     async def _loaded(self, instance_id: str) -> None:
         """Every block is in engine memory: say so (the planner times scale operations by it)."""
@@ -565,6 +586,55 @@ class WorkerService(Service):
                 req.span.end()
                 del self.requests[request_id]
 
+    async def _command(self, cmd: m.WorkerCommand) -> m.CommandAck:
+        """One planner command, whether it came as an RPC or as a plan part from JetStream."""
+        op = cmd.root
+        wid = self.config.worker_id
+        if isinstance(op, m.TransferPart):
+            self.transfers.blocks.expect(op)
+            try:
+                return await self.transfers.accept(op)
+            except BaseException:
+                await self.transfers.blocks.part_ended(op, False)
+                raise
+        if isinstance(op, m.LoadModel):
+            if (inst := self.instances.get(op.instance_id)) is not None and inst.info.loaded_at is not None:
+                # Sent again (a restarted planner resuming): say again that it is loaded.
+                await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=inst.info,
+                                                                                    reason="every block loaded"))
+                return m.CommandAck(accepted=True, detail="already loaded")
+            if op.instance_id in self.instances or op.instance_id in self._loading:
+                return m.CommandAck(accepted=True, detail="already loaded or loading")
+            if not os.path.isdir(op.path):
+                raise DomainError(f"checkpoint path {op.path!r} is not readable on {wid}", code="not_found")
+            self._loading.add(op.instance_id)
+            info = m.InstanceInfo(instance_id=op.instance_id, model=op.model, stages=[
+                m.Stage(worker_id=wid, block_start=op.block_start, block_end=op.block_end)],
+                state=m.InstanceState.loading, created_at=time.time(), scale_op_id=op.scale_op_id)
+            asyncio.create_task(self._load(op, info))
+            return m.CommandAck(accepted=True, detail="loading")
+        if isinstance(op, m.FetchBlocks):
+            if not os.path.isdir(op.path):
+                raise DomainError(f"checkpoint path {op.path!r} is not readable on {wid}", code="not_found")
+            asyncio.create_task(self._fetch(op))
+            return m.CommandAck(accepted=True, detail="fetching")
+        if isinstance(op, m.ReleaseBlocks):
+            for b in op.blocks:
+                if (op.model, b) in self._kept:
+                    self._kept.discard((op.model, b))
+                    await self._report_evicted(self.cache.unpin((op.model, b)))
+            return m.CommandAck(accepted=True, detail="released")
+        inst = self.instances.get(op.instance_id)
+        if inst is None and op.instance_id in self._loading:
+            # Not attached yet: the load stops at its next block and reports the instance stopped.
+            self._unload_asked.add(op.instance_id)
+            return m.CommandAck(accepted=True, detail="load cancelled")
+        if inst is None:
+            return m.CommandAck(accepted=False, detail=f"instance {op.instance_id} is not on {wid}")
+        asyncio.create_task(self._stop_instance(inst, "unloaded by planner", op.drain_timeout_s,
+                                                op.host_keep_alive_s))
+        return m.CommandAck(accepted=True, detail="draining")
+
     def _subscribe(self) -> None:
         b = self.broker
         wid = self.config.worker_id
@@ -572,42 +642,7 @@ class WorkerService(Service):
         @b.subscriber(subjects.worker_command(wid))
         @rpc(m.WorkerCommand)
         async def command(cmd: m.WorkerCommand) -> m.CommandAck:
-            op = cmd.root
-            if isinstance(op, m.TransferPart):
-                self.transfers.blocks.expect(op)
-                try:
-                    return await self.transfers.accept(op)
-                except BaseException:
-                    await self.transfers.blocks.part_ended(op, False)
-                    raise
-            if isinstance(op, m.LoadModel):
-                if op.instance_id in self.instances or op.instance_id in self._loading:
-                    return m.CommandAck(accepted=True, detail="already loaded or loading")
-                if not os.path.isdir(op.path):
-                    raise DomainError(f"checkpoint path {op.path!r} is not readable on {wid}", code="not_found")
-                self._loading.add(op.instance_id)
-                info = m.InstanceInfo(instance_id=op.instance_id, model=op.model, stages=[
-                    m.Stage(worker_id=wid, block_start=op.block_start, block_end=op.block_end)],
-                    state=m.InstanceState.loading, created_at=time.time(), scale_op_id=op.scale_op_id)
-                asyncio.create_task(self._load(op, info))
-                return m.CommandAck(accepted=True, detail="loading")
-            if isinstance(op, m.FetchBlocks):
-                if not os.path.isdir(op.path):
-                    raise DomainError(f"checkpoint path {op.path!r} is not readable on {wid}", code="not_found")
-                asyncio.create_task(self._fetch(op))
-                return m.CommandAck(accepted=True, detail="fetching")
-            if isinstance(op, m.ReleaseBlocks):
-                for b in op.blocks:
-                    if (op.model, b) in self._kept:
-                        self._kept.discard((op.model, b))
-                        await self._report_evicted(self.cache.unpin((op.model, b)))
-                return m.CommandAck(accepted=True, detail="released")
-            inst = self.instances.get(op.instance_id)
-            if inst is None:
-                return m.CommandAck(accepted=False, detail=f"instance {op.instance_id} is not on {wid}")
-            asyncio.create_task(self._stop_instance(inst, "unloaded by planner", op.drain_timeout_s,
-                                                    op.host_keep_alive_s))
-            return m.CommandAck(accepted=True, detail="draining")
+            return await self._command(cmd)
 
         @b.subscriber(subjects.worker_generate(wid))
         @rpc(m.GenerateRequest)

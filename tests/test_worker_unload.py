@@ -1,0 +1,59 @@
+"""A scale-in that picks an instance still loading: the worker ends the load early and the
+instance is stopped, never served (against real NATS, Postgres and a real checkpoint)."""
+
+import asyncio
+
+from libs.checkpoint import CheckpointIndex
+from libs.protocol import messages as m
+from libs.protocol import subjects
+from libs.protocol.bus import call
+from services.worker.service import WorkerConfig, WorkerService
+from test_registry import client, started  # noqa: F401 - the client fixture
+
+LOAD_S = 4.0  # the paced load's length: long enough to be stopped in the middle
+
+
+async def test_unloading_a_loading_instance_stops_its_load(database_url, nats_url, client, tiny_checkpoint):  # noqa: F811
+    index = CheckpointIndex.load(tiny_checkpoint)
+    total = sum(index.block(b).nbytes for b in range(index.n_blocks))
+    events: list[m.InstanceEvent] = []
+
+    sub = client.subscriber(subjects.EVENT_INSTANCE)
+
+    @sub
+    async def seen(body: dict) -> None:
+        ev = m.InstanceEvent.model_validate(body)
+        if ev.instance.instance_id == "i-cut":
+            events.append(ev)
+
+    await sub.start()
+    reg = await started(database_url, nats_url)
+    worker = WorkerService(WorkerConfig(
+        worker_id="w-cut", serve_while_loading=False, kv_cache_bytes=8 << 20,
+        emulated_host_to_device_mbit=total * 8 / 1e6 / LOAD_S), nats_url)
+    await worker.start()
+    try:
+        command = subjects.worker_command("w-cut")
+        load = m.LoadModel(instance_id="i-cut", model="demo", path=str(tiny_checkpoint),
+                           block_start=0, block_end=index.n_blocks)
+        assert (await call(client, command, load, m.CommandAck)).accepted
+        await asyncio.sleep(0.3)
+        ack = await call(client, command, m.UnloadModel(instance_id="i-cut"), m.CommandAck)
+        assert ack.accepted and ack.detail == "load cancelled"
+        for _ in range(int(LOAD_S * 20)):
+            if any(ev.instance.state == m.InstanceState.stopped for ev in events):
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)  # anything the load would still publish
+        states = [ev.instance.state for ev in events]
+        assert states[-1] == m.InstanceState.stopped, states
+        assert m.InstanceState.ready not in states and "i-cut" not in worker.instances
+        assert not worker._loading and not worker._unload_asked
+        # Its blocks are not pinned any more: the host tier may evict them.
+        assert all(not worker.cache.pinned((load.model, b)) for b in range(index.n_blocks))
+        again = await call(client, command, m.UnloadModel(instance_id="i-cut"), m.CommandAck)
+        assert not again.accepted
+    finally:
+        await sub.stop()
+        await worker.stop()
+        await reg.stop()
