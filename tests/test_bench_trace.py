@@ -63,6 +63,9 @@ def test_bench_trace_two_modes(tmp_path, trace_csv):
     assert slo["ttft_s"] > 0 and slo["tbt_s"] > 0
     settings = report["settings"]
     assert settings["keep_alive_s"] > 0 and settings["eos_ids"] == []
+    # serverlessllm's host keep-alive is λScale's 15 s of trace time, compressed like the trace
+    assert settings["serverlessllm_keep_alive_s"] == pytest.approx(15 / 20)
+    assert settings["service_env"]["LAYERCAST_SERVERLESSLLM_KEEP_ALIVE"] == "0.75"
     assert settings["bench_model"]["visible_tokens"] > 100
 
     assert [r["mode"] for r in report["results"]] == MODES

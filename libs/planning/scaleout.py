@@ -37,6 +37,9 @@ ALGORITHMS = ("star", "binary-tree", "chain", "binomial")
 SCALING_MODES = ("layercast", "chain", "binomial", "faasnet", "serverlessllm", "static", "ideal")
 # Modes whose scale-outs multicast from the workers holding a copy.
 MULTICAST_MODES = ("layercast", "chain", "binomial", "faasnet")
+# The `serverlessllm` baseline's host cache keeps a stopped model's blocks this long (λScale §2.3
+# measured 15 s on multi-tenant hosts; BlitzScale assumes 5 min): the planner's --serverlessllm-keep-alive.
+SERVERLESSLLM_KEEP_ALIVE_S = 15.0
 
 
 @dataclass(frozen=True)

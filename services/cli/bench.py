@@ -310,6 +310,9 @@ def trace(
     keep_alive_s: float = typer.Option(3.0, "--keep-alive-s", min=0, help="Idle time before scale-to-zero."),
     scale_down_delay_s: float = typer.Option(5.0, "--scale-down-delay-s", min=0,
                                              help="Load-monitor: time a scale-in must be wanted first."),
+    serverlessllm_keep_alive_s: float = typer.Option(
+        None, "--serverlessllm-keep-alive-s", min=0,
+        help="serverlessllm's host-cache keep-alive (default: λScale's 15 s of trace time, i.e. 15 / --time-scale)."),
     target_concurrency: int = typer.Option(2, "--target-concurrency", min=1,
                                            help="Load-monitor: requests in flight per instance."),
     slo_factor: float = typer.Option(5.0, "--slo-factor", min=1.0, help="SLO = factor x unloaded TTFT/TBT."),
@@ -333,7 +336,8 @@ def trace(
 
     Defaults: the first 600 s of the trace, a seeded tenth of its rows, time / 10, prompts scaled
     to <= 256 tokens (x 256 / observed max), outputs clipped to <= 32, the tiny demo model, 2
-    workers, keep-alive 3 s, scale-in once wanted for 5 s, 2 requests in flight per instance: 168 requests
+    workers, keep-alive 3 s, scale-in once wanted for 5 s, 2 requests in flight per instance, serverlessllm's
+    host cache kept 15 s of trace time (15 s / time scale, as the trace's gaps are scaled): 168 requests
     of the Azure code trace in 60 s per mode, three modes in about 4-5 minutes on a 2-core
     machine. Progress goes to stderr.
     """
@@ -352,6 +356,7 @@ def trace(
     profile = _emulation_profile(emulate, link_mbit, disk_mbit, host_to_device_mbit, cpu_quota)
     cfg = TraceBenchConfig(workers=workers, max_instances=max_instances or None, preset=preset, blocks=blocks,
                            model_path=model, keep_alive_s=keep_alive_s, scale_down_delay_s=scale_down_delay_s,
+                           serverlessllm_keep_alive_s=serverlessllm_keep_alive_s,
                            target_concurrency=target_concurrency, slo_factor=slo_factor,
                            calibration_requests=calibration_requests, slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s,
                            request_timeout_s=request_timeout_s, emulate=emulate, profile=profile)

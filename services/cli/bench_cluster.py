@@ -381,11 +381,13 @@ def _emulation_context(workers: int, profile: Any, disk_path: Path):
 
 def service_env(*, target_concurrency: int | None = None, scale_down_delay_s: float | None = None,
                 queue_timeout_s: float | None = None, max_context: int | None = None,
-                slots_per_instance: int | None = None, kv_cache_gb: float | None = None) -> dict[str, str]:
+                slots_per_instance: int | None = None, kv_cache_gb: float | None = None,
+                serverlessllm_keep_alive_s: float | None = None) -> dict[str, str]:
     """The services' environment for the given knobs (None: the service's default)."""
     env = {"LAYERCAST_TARGET_CONCURRENCY": target_concurrency, "LAYERCAST_SCALE_DOWN_DELAY": scale_down_delay_s,
            "LAYERCAST_QUEUE_TIMEOUT": queue_timeout_s, "LAYERCAST_MAX_CONTEXT": max_context,
-           "LAYERCAST_SLOTS_PER_INSTANCE": slots_per_instance, "LAYERCAST_KV_CACHE_GB": kv_cache_gb}
+           "LAYERCAST_SLOTS_PER_INSTANCE": slots_per_instance, "LAYERCAST_KV_CACHE_GB": kv_cache_gb,
+           "LAYERCAST_SERVERLESSLLM_KEEP_ALIVE": serverlessllm_keep_alive_s}
     return {k: f"{v:g}" if isinstance(v, float) else str(v) for k, v in env.items() if v is not None}
 
 
@@ -422,9 +424,9 @@ def mode_cluster(mode: str, *, workers: int, model_path: Path, state_dir: Path, 
                  target_concurrency: int | None = None, scale_down_delay_s: float | None = None,
                  queue_timeout_s: float | None = None, max_context: int | None = None,
                  slots_per_instance: int | None = None, kv_cache_gb: float | None = None,
-                 torch_threads: int = 1, heartbeat_ttl_s: float = 15.0, nats_url: str | None = None,
-                 database_url: str | None = None, namespace: str | None = None,
-                 extra_env: dict[str, str] | None = None, wait_min_ready: bool = True,
+                 serverlessllm_keep_alive_s: float | None = None, torch_threads: int = 1,
+                 heartbeat_ttl_s: float = 15.0, nats_url: str | None = None, database_url: str | None = None,
+                 namespace: str | None = None, extra_env: dict[str, str] | None = None, wait_min_ready: bool = True,
                  start_timeout_s: float = 120.0, ready_timeout_s: float = 180.0, cold_start: bool = True,
                  settle: bool = True, settle_timeout_s: float = 60.0,
                  **deploy_fields: Any) -> Iterator[ClusterHandle]:
@@ -437,7 +439,9 @@ def mode_cluster(mode: str, *, workers: int, model_path: Path, state_dir: Path, 
       wait_min_ready the context is entered only once they are ready (so a `static` fleet is warm).
     - keep_alive_s and any other field of the deploy body (`max_queue`, ...) as keyword arguments.
     - target_concurrency, scale_down_delay_s (load-monitor), queue_timeout_s, max_context,
-      slots_per_instance (gateway), kv_cache_gb (workers): None leaves the service's default.
+      slots_per_instance (gateway), kv_cache_gb (workers), serverlessllm_keep_alive_s (planner: how
+      long a serverlessllm worker keeps a scaled-in model in its host cache): None leaves the
+      service's default.
     - heartbeat_ttl_s: longer than a production registry's 5 s: a bench packs many workers onto
       few cores, and a worker whose heartbeats are late under that load is not dead.
     - emulate: root; `profile` an EmulationProfile (or a dict of its fields; None: the default
@@ -455,7 +459,8 @@ def mode_cluster(mode: str, *, workers: int, model_path: Path, state_dir: Path, 
     namespace = namespace or f"bench-{''.join(c for c in mode if c.isalnum())[:12]}-{uuid.uuid4().hex[:6]}"
     env = service_env(target_concurrency=target_concurrency, scale_down_delay_s=scale_down_delay_s,
                       queue_timeout_s=queue_timeout_s, max_context=max_context,
-                      slots_per_instance=slots_per_instance, kv_cache_gb=kv_cache_gb)
+                      slots_per_instance=slots_per_instance, kv_cache_gb=kv_cache_gb,
+                      serverlessllm_keep_alive_s=serverlessllm_keep_alive_s)
     env.update(extra_env or {})
     deploy = {"name": model_name, "path": str(Path(model_path).resolve()), "min_instances": min_instances,
               "max_instances": max_instances, "keep_alive_s": keep_alive_s, "scaling_mode": mode, **deploy_fields}

@@ -41,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from libs.planning.scaleout import SERVERLESSLLM_KEEP_ALIVE_S
 from libs.planning.trace_replay import (
     ReplayRequest,
     Transform,
@@ -429,6 +430,9 @@ class TraceBenchConfig:
     model_path: Path | None = None  # a block checkpoint of your own (default: bench_model's demo)
     keep_alive_s: float = 3.0
     scale_down_delay_s: float = 5.0  # damps scale-in right after a panic scale-out
+    # How long a serverlessllm worker keeps a scaled-in model in host memory. None: λScale §2.3's
+    # 15 s of trace time, so divided by the time scale like the trace's gaps are.
+    serverlessllm_keep_alive_s: float | None = None
     target_concurrency: int = 2
     slo_factor: float = 5.0
     calibration_requests: int = 5
@@ -458,11 +462,14 @@ def run_trace_benchmark(trace: Path, modes: Sequence[str], tf: Transform, cfg: T
         raise ValueError(f"a request needs {need} tokens of context, the model has {context}: lower "
                          "--max-prompt-tokens / --max-output-tokens")
     max_instances = cfg.max_instances or cfg.workers
+    host_keep_alive_s = (cfg.serverlessllm_keep_alive_s if cfg.serverlessllm_keep_alive_s is not None
+                         else SERVERLESSLLM_KEEP_ALIVE_S / tf.time_scale)
     replay_s = summary["replay_duration_s"] or requests[-1].send_at_s
     common = dict(workers=cfg.workers, model_path=model, emulate=cfg.emulate, profile=cfg.profile,
                   keep_alive_s=cfg.keep_alive_s, target_concurrency=cfg.target_concurrency,
                   scale_down_delay_s=cfg.scale_down_delay_s, queue_timeout_s=cfg.request_timeout_s,
-                  max_context=context, torch_threads=cfg.torch_threads)
+                  max_context=context, torch_threads=cfg.torch_threads,
+                  serverlessllm_keep_alive_s=host_keep_alive_s)
     log(f"{len(requests)} requests over {replay_s:g} s (of {len(rows)} trace rows); model {model}")
 
     if cfg.slo_ttft_s is not None and cfg.slo_tbt_s is not None:
@@ -506,6 +513,7 @@ def run_trace_benchmark(trace: Path, modes: Sequence[str], tf: Transform, cfg: T
                         if (model / BENCH_MODEL_MARKER).exists() else None),
         "vocab_size": vocab, "context": context, "eos_ids": sorted(eos),
         "max_instances": max_instances, "keep_alive_s": cfg.keep_alive_s,
+        "serverlessllm_keep_alive_s": host_keep_alive_s,
         "scale_down_delay_s": cfg.scale_down_delay_s, "target_concurrency": cfg.target_concurrency,
         "static_min_instances": max_instances, "request_timeout_s": cfg.request_timeout_s,
         "request": "POST /v1/completions, prompt as token ids, max_tokens = output tokens, temperature 0, stream",

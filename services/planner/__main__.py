@@ -3,8 +3,9 @@
 import argparse
 import os
 
+from libs.planning.scaleout import SERVERLESSLLM_KEEP_ALIVE_S
 from services.common.runner import run
-from services.planner.service import SERVERLESSLLM_KEEP_ALIVE_S, PlannerService
+from services.planner.service import PlannerService
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from libs.planning.placement import Candidate, Held, LiveInstance, full_copies, pick_targets, pick_victims
 from libs.planning.pool import PoolFill, pool_repair
-from libs.planning.scaleout import MulticastPlan, plan_nodes, scaleout_plan
+from libs.planning.scaleout import SERVERLESSLLM_KEEP_ALIVE_S, MulticastPlan, plan_nodes, scaleout_plan
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import RemoteError, call, on_event, publish
@@ -38,9 +38,6 @@ SCALE_DURATION = Histogram("layercast_planner_scale_operation_duration_seconds",
 OPEN_OPS = Gauge("layercast_planner_open_scale_operations", "Scale-ups waiting for their instances")
 
 LIVE = (m.InstanceState.loading, m.InstanceState.ready)
-# The `serverlessllm` baseline's host cache keeps a stopped model's blocks this long (λScale §2.3
-# measured 15 s on multi-tenant hosts; BlitzScale assumes 5 min): --serverlessllm-keep-alive.
-SERVERLESSLLM_KEEP_ALIVE_S = 15.0
 TRANSFER_STALL_S = 15.0  # a receiver that gets no byte for this long fails its part (then loads from disk)
 COMMAND_TIMEOUT_S = 5.0  # a worker that has not answered a command by then has failed it
 POOL_CHECK_S = 5.0  # how often the parameter pool's invariant is checked (also on deploy and worker loss)
@@ -185,14 +182,17 @@ class PlannerService(Service):
                                transfer_id=transfer_id, model=model.name,
                                stall_timeout_s=TRANSFER_STALL_S, scale_op_id=op.scale_op_id)
 
-        for group in ([w for w in parts if w in receivers], [w for w in parts if w not in receivers]):
+        for senders, group in ((False, [w for w in parts if w in receivers]),
+                               (True, [w for w in parts if w not in receivers])):
+            if senders:  # a source starts sending as it accepts, maybe before its ack gets back here
+                op.timings["first_send"] = time.time()
             answers = await asyncio.gather(*(self._command(w, parts[w]) for w in group))
             refused = {w: why for w, why in zip(group, answers) if why}
             if refused:
                 log.warning("scale-up %s: %s refused their %s parts (%s); targets load on their own",
                             op.scale_op_id, ",".join(refused), plan.algorithm, "; ".join(refused.values()))
+                op.timings.pop("first_send", None)
                 return None
-        op.timings["first_send"] = time.time()
         log.info("scale-up %s: %s k=%d from %s to %s", op.scale_op_id, plan.algorithm, plan.k,
                  ",".join(sources[: plan.k]), ",".join(receivers))
         return transfer_id
