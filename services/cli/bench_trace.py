@@ -529,7 +529,8 @@ def run_trace_benchmark(trace: Path, modes: Sequence[str], tf: Transform, cfg: T
     if plot is not None:
         plot_results(Path(plot), requests, summary, slo, series, attribution,
                      f"trace replay: {trace.name}; {cfg.workers} workers{' (emulated)' if cfg.emulate else ''}, "
-                     f"keep-alive {cfg.keep_alive_s:g} s, target {cfg.target_concurrency} in flight / instance")
+                     f"keep-alive {cfg.keep_alive_s:g} s, target {cfg.target_concurrency} in flight / instance\n"
+                     f"serverlessllm keeps a stopped model in host memory {host_keep_alive_s:g} s")
         out["plot"] = str(plot)
     return out
 

@@ -70,6 +70,7 @@ class PlannerService(Service):
         async with self._locks[req.model]:
             view = await call(self.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0),
                               m.ClusterView)
+            viewed = time.time()
             model = next((x for x in view.models if x.name == req.model), None)
             desired = req.desired_instances
             if model is None:
@@ -80,7 +81,7 @@ class PlannerService(Service):
                 desired = max(model.min_instances, min(desired, model.max_instances))
             live = [i for i in view.instances if i.model == req.model and i.state in LIVE]
             if desired > len(live) and model is not None:
-                return await self._scale_up(model, view, live, desired, req)
+                return await self._scale_up(model, view, live, desired, req, viewed)
             if desired < len(live):
                 keep_alive = self.serverlessllm_keep_alive_s if model and model.scaling_mode == "serverlessllm" else None
                 return await self._scale_down(req.model, live, desired, req, keep_alive)
@@ -94,7 +95,7 @@ class PlannerService(Service):
             log.warning("could not record scale op %s: %s", op.scale_op_id, e)
 
     async def _scale_up(self, model: m.ModelInfo, view: m.ClusterView, live: list[m.InstanceInfo], desired: int,
-                        req: m.ScaleRequest) -> m.ScaleOpInfo | None:
+                        req: m.ScaleRequest, viewed: float) -> m.ScaleOpInfo | None:
         busy = {s.worker_id for i in live for s in i.stages}
         per_worker = defaultdict(int)
         for i in view.instances:
@@ -120,7 +121,8 @@ class PlannerService(Service):
                              len(model.blocks), link_gbps) if link_gbps else None
         op = m.ScaleOpInfo(scale_op_id=f"op-{uuid.uuid4().hex[:12]}", model=model.name, direction="up",
                            reason=req.reason, from_instances=len(live), to_instances=len(live) + len(targets),
-                           state="running", timings={"decided": req.sent_at, "planned": time.time()},
+                           state="running", timings={"decided": req.sent_at, "viewed": viewed,
+                                                     "planned": time.time()},
                            plan={"kind": "multicast" if plan else "local-load", "mode": model.scaling_mode,
                                  "targets": targets, "blocks": [0, len(model.blocks)]})
         if plan:
@@ -173,26 +175,27 @@ class PlannerService(Service):
 
     async def _multicast(self, op: m.ScaleOpInfo, model: m.ModelInfo, plan: MulticastPlan, sources: list[str],
                          receivers: list[str], alive: dict[str, m.WorkerInfo]) -> str | None:
-        """Send every worker its part of the plan: receivers first (each acks once ready to
-        receive), then sources. Returns the transfer id, or None when a worker refused its
-        part: then no source was started, and the targets load on their own."""
+        """Send every worker its part of the plan, all at once. Returns the transfer id, or None
+        when a worker refused its part: then the targets load on their own.
+
+        No ordering is needed: a sender sends a block only once its receiver has granted it,
+        which the receiver does after registering where the block lands (the executor's
+        grant), so the parts go out together and decision -> first byte saves a round trip.
+        The price is paid only on a refusal: the parts already accepted run until their stall
+        timeout, their receivers read from disk instead (LoadModel without incoming_transfer)."""
         nodes = plan_nodes(plan, sources, receivers)
         transfer_id = f"{op.scale_op_id}-{plan.algorithm}"
         parts = transfer_parts(plan, nodes, {w: alive[w].data_address for w in nodes}, model.blocks,
                                transfer_id=transfer_id, model=model.name,
                                stall_timeout_s=TRANSFER_STALL_S, scale_op_id=op.scale_op_id)
-
-        for senders, group in ((False, [w for w in parts if w in receivers]),
-                               (True, [w for w in parts if w not in receivers])):
-            if senders:  # a source starts sending as it accepts, maybe before its ack gets back here
-                op.timings["first_send"] = time.time()
-            answers = await asyncio.gather(*(self._command(w, parts[w]) for w in group))
-            refused = {w: why for w, why in zip(group, answers) if why}
-            if refused:
-                log.warning("scale-up %s: %s refused their %s parts (%s); targets load on their own",
-                            op.scale_op_id, ",".join(refused), plan.algorithm, "; ".join(refused.values()))
-                op.timings.pop("first_send", None)
-                return None
+        op.timings["first_send"] = time.time()
+        answers = await asyncio.gather(*(self._command(w, part) for w, part in parts.items()))
+        refused = {w: why for w, why in zip(parts, answers) if why}
+        if refused:
+            log.warning("scale-up %s: %s refused their %s parts (%s); targets load on their own",
+                        op.scale_op_id, ",".join(refused), plan.algorithm, "; ".join(refused.values()))
+            op.timings.pop("first_send", None)
+            return None
         log.info("scale-up %s: %s k=%d from %s to %s", op.scale_op_id, plan.algorithm, plan.k,
                  ",".join(sources[: plan.k]), ",".join(receivers))
         return transfer_id
