@@ -330,3 +330,24 @@ def test_bytes_from_the_wrong_peer_are_refused():
         a.send_block("b", b.address, "op", BlockSlot(0, bytearray(1000), complete=True))
         time.sleep(0.3)
         assert sink.filled == 0
+
+
+def test_first_byte_is_stamped_when_a_frame_starts_landing_not_when_it_is_complete():
+    # A frame is a ~1 MiB chunk (21 ms at 400 Mbit/s): "first byte" is its first bytes landing.
+    from libs.transfer.tcp import _recv_into
+
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        slot = BlockSlot(0, bytearray(8))
+        reader = threading.Thread(target=_recv_into, args=(receiver, slot.writable(0, 8), slot.bytes_landing))
+        reader.start()
+        sender.sendall(b"1234")
+        deadline = time.monotonic() + 5
+        while slot.first_byte_at is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stamped = slot.first_byte_at
+        assert stamped is not None and reader.is_alive() and slot.filled == 0  # the frame is not in yet
+        sender.sendall(b"5678")
+        reader.join(5)
+        slot.advance(8)
+        assert slot.complete and slot.first_byte_at == stamped

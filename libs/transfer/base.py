@@ -60,7 +60,7 @@ class BlockSlot:
         self.filled = nbytes if complete else 0
         self.crc = 0  # running crc32 of the bytes received so far (not computed for source blocks)
         self.completed_at: float | None = time.time() if complete else None
-        self.first_byte_at: float | None = None
+        self.first_byte_at: float | None = None  # the first received byte landed in the buffer
         self.error: BaseException | None = None
         self.admitted = True  # see admit(): a receiver may hold back bytes until earlier receives are done
         self._cond = threading.Condition()
@@ -79,11 +79,17 @@ class BlockSlot:
             raise TransferError(f"block {self.block_id}: {offset}+{length} bytes overrun {self.nbytes}")
         return self.view[offset:offset + length]
 
+    def bytes_landing(self) -> None:
+        """The first bytes of a frame just landed (before :meth:`advance`, which a transport
+        calls once the whole frame is in): the first call stamps first_byte_at."""
+        if self.first_byte_at is None:
+            self.first_byte_at = time.time()
+
     def advance(self, length: int) -> None:
         """Mark `length` more bytes (just written through :meth:`writable`) as in place."""
         start = self.filled
         if start == 0:
-            self.first_byte_at = time.time()
+            self.bytes_landing()
         self.crc = zlib.crc32(self.view[start:start + length], self.crc)
         with self._cond:
             self.filled = start + length

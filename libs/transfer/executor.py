@@ -81,7 +81,6 @@ class PartRun:
         self.chunk_bytes, self.stall_timeout_s = chunk_bytes, stall_timeout_s
         self._cancel = threading.Event()
         self._done: queue.Queue[BlockSlot] = queue.Queue()
-        self._first_byte_at: list[float] = []
         # Receive in schedule order, one block at a time (the single-port model the schedules
         # assume): each block is granted to its sender when the previous one is complete, so a
         # sender that runs ahead waits instead of sharing this node's download link with the
@@ -104,7 +103,6 @@ class PartRun:
             # Ask for the next block while this one's last chunk is still arriving: the grant's
             # round trip overlaps with it instead of leaving the download link idle.
             slot.when_filled(max(1, slot.nbytes - chunk_bytes), lambda _s: self._admit(early=1))
-            slot.when_filled(1, lambda _s: self._first_byte_at.append(time.time()))
         self._admit()
 
     def _received(self, slot: BlockSlot) -> None:
@@ -163,7 +161,8 @@ class PartRun:
             if send_error:
                 raise _as_transfer_error(op_id, send_error[0])
             result.finished_at = time.time()
-            result.first_byte_at = min(self._first_byte_at, default=None)
+            result.first_byte_at = min((self.slots[h.block].first_byte_at for h in self.receives
+                                        if self.slots[h.block].first_byte_at is not None), default=None)
             return result
         except BaseException as e:
             cancel.set()

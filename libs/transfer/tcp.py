@@ -60,12 +60,15 @@ def _recv_header(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def _recv_into(sock: socket.socket, view: memoryview, first: Callable[[], None] | None = None) -> None:
+    """Fill `view` from `sock`; `first()` runs as soon as the first bytes are in."""
     got = 0
     while got < len(view):
         k = sock.recv_into(view[got:])
         if k == 0:
             raise ConnectionError(f"connection closed inside a frame ({got}/{len(view)} payload bytes)")
+        if got == 0 and first is not None:
+            first()
         got += k
 
 
@@ -273,7 +276,7 @@ class TcpTransport(Transport):
             slot.fail(e)
             raise
         try:
-            _recv_into(sock, into)
+            _recv_into(sock, into, slot.bytes_landing)  # a frame is a chunk (~1 MiB): stamp its start
         except (OSError, ConnectionError) as e:
             slot.fail(TransferError(f"op {op_id} block {block}: stream from {src} broke at "
                                     f"{offset}/{total} bytes: {e}"))
