@@ -194,6 +194,37 @@ async def test_concurrent_timing_reports_on_one_scale_op_are_all_kept(database_u
         await engine.dispose()
 
 
+async def test_transfer_reports_stamp_the_operation_even_after_it_closed(database_url, nats_url, client):
+    """Receivers' reports give the op its first byte (the earliest), first block and each
+    receiver's end, also when they come after the planner's closing record."""
+    reg = await started(database_url, nats_url)
+    try:
+        op = m.RecordScaleOp(scale_op_id="op-late", model="demo", direction="up", reason="test", from_instances=1,
+                             to_instances=3, state="done", timings={"decided": 1.0, "done": 9.0})
+        await call(client, subjects.REGISTRY_SCALEOP_RECORD, op, m.ScaleOpInfo)
+        for worker, first_byte, finished in (("w2", 2.5, 8.0), ("w1", 2.0, 7.0)):
+            await publish(client, subjects.EVENT_TRANSFER, m.TransferReport(
+                transfer_id="t", worker_id=worker, model="demo", ok=True, started_at=1.5, finished_at=finished,
+                first_byte_at=first_byte, block_arrived_at={0: first_byte + 1}, bytes_received=1900,
+                scale_op_id="op-late"))
+        await publish(client, subjects.EVENT_TRANSFER, m.TransferReport(  # a source's report: nothing received
+            transfer_id="t", worker_id="w0", model="demo", ok=True, started_at=1.5, finished_at=8.0,
+            bytes_sent=1900, scale_op_id="op-late"))
+
+        def stamped(view: m.ClusterView) -> dict | None:
+            t = next(o for o in view.scale_ops if o.scale_op_id == "op-late").timings
+            return t if "transferred:w1" in t and "transferred:w2" in t else None
+
+        deadline = time.monotonic() + 5
+        while not (t := stamped(await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView))):
+            assert time.monotonic() < deadline, "the reports were not recorded"
+            await asyncio.sleep(0.05)
+        assert t["first_byte"] == 2.0 and t["first_block"] == 3.0 and t["done"] == 9.0
+        assert t["transferred:w1"] == 7.0 and t["transferred:w2"] == 8.0 and "transferred:w0" not in t
+    finally:
+        await reg.stop()
+
+
 async def test_instance_states_only_move_forward(database_url):
     """Late events never undo later ones: a planner's late "loading" does not undo "ready",
     a worker's "ready" or "every block loaded" does not route a draining instance again,

@@ -298,10 +298,18 @@ class RegistryStore:
             return _scale_op_info(row)
 
     async def add_scale_op_timing(self, scale_op_id: str, event: str, at: float) -> None:
+        await self.add_scale_op_timings(scale_op_id, {event: at})
+
+    async def add_scale_op_timings(self, scale_op_id: str, events: dict[str, float]) -> None:
+        """Add events to an operation's timings; an event already there keeps the earlier time
+        (several reporters stamp first_byte: the first one is the operation's)."""
         async with self.sessions.begin() as s:
             row = await s.get(ScaleOperation, scale_op_id, with_for_update=True)
-            if row is not None and event not in (row.timings or {}):
-                row.timings = {**(row.timings or {}), event: at}
+            if row is not None:
+                timings = dict(row.timings or {})
+                for event, at in events.items():
+                    timings[event] = min(timings.get(event, at), at)
+                row.timings = timings
 
     async def recent_scale_ops(self, limit: int) -> list[m.ScaleOpInfo]:
         async with self.sessions() as s:

@@ -234,19 +234,10 @@ class PlannerService(Service):
         await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=failed, reason=reason))
 
     async def _transferred(self, report: m.TransferReport) -> None:
-        """A receiver's part ended: its timings go into the operation (its load goes on by itself)."""
-        op = self._open_ops.get(report.scale_op_id or "")
-        if op is None or not report.bytes_received and report.ok:
-            return
-        if report.first_byte_at:
-            op.timings["first_byte"] = min(op.timings.get("first_byte", report.first_byte_at), report.first_byte_at)
-        if report.block_arrived_at:
-            first = min(report.block_arrived_at.values())
-            op.timings["first_block"] = min(op.timings.get("first_block", first), first)
-        op.timings[f"transferred:{report.worker_id}"] = report.finished_at
-        if not report.ok:
+        """A receiver's part ended (the registry records its timings; its load goes on by itself)."""
+        if not report.ok and report.scale_op_id in self._open_ops:
             log.warning("scale-up %s: transfer to %s failed (%s); it loads what is missing from disk",
-                        op.scale_op_id, report.worker_id, report.error)
+                        report.scale_op_id, report.worker_id, report.error)
 
     async def _scale_down(self, model: str, live: list[m.InstanceInfo], desired: int,
                           req: m.ScaleRequest, host_keep_alive_s: float | None = None) -> m.ScaleOpInfo:

@@ -161,6 +161,20 @@ class RegistryService(Service):
                 await self.store.add_scale_op_timing(ev.scale_op_id, f"block:{ev.worker_id}:{ev.block_id}",
                                                      time.time())
 
+        @b.subscriber(subjects.EVENT_TRANSFER)
+        @on_event(m.TransferReport)
+        async def transferred(report: m.TransferReport) -> None:
+            # The registry, not the planner, records a receiver's part: its report may come after
+            # the planner closed the operation (the last instance loaded first), or to a new planner.
+            if not report.scale_op_id or not report.bytes_received and report.ok:
+                return
+            events = {f"transferred:{report.worker_id}": report.finished_at}
+            if report.first_byte_at:
+                events["first_byte"] = report.first_byte_at
+            if report.block_arrived_at:
+                events["first_block"] = min(report.block_arrived_at.values())
+            await self.store.add_scale_op_timings(report.scale_op_id, events)
+
         @b.subscriber(subjects.EVENT_INSTANCE)
         @on_event(m.InstanceEvent)
         async def instance(ev: m.InstanceEvent) -> None:
