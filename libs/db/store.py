@@ -4,7 +4,7 @@ import time
 from datetime import UTC, datetime
 
 from sqlalchemy import delete, select
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from libs.db.engine import make_sessionmaker
 from libs.db.models import BlockReplica, Instance, Model, ModelBlock, ScaleOperation, Worker
@@ -127,10 +127,7 @@ class RegistryStore:
 
     async def list_workers(self, include_dead: bool = False) -> list[m.WorkerInfo]:
         async with self.sessions() as s:
-            q = select(Worker).order_by(Worker.worker_id)
-            if not include_dead:
-                q = q.where(Worker.state == "alive")
-            return [_worker_info(w) for w in (await s.scalars(q)).all()]
+            return await _workers(s, include_dead)
 
     # --- models ---------------------------------------------------------------------------
 
@@ -166,15 +163,7 @@ class RegistryStore:
 
     async def list_models(self, include_deleted: bool = False) -> list[m.ModelInfo]:
         async with self.sessions() as s:
-            q = select(Model).order_by(Model.name)
-            if not include_deleted:
-                q = q.where(Model.state == "deployed")
-            rows = (await s.scalars(q)).all()
-            blocks = (await s.scalars(select(ModelBlock))).all()
-            by_model: dict[str, list[ModelBlock]] = {}
-            for b in blocks:
-                by_model.setdefault(b.model, []).append(b)
-            return [_model_info(r, by_model.get(r.name, [])) for r in rows]
+            return await _models(s, include_deleted)
 
     async def delete_model(self, name: str) -> m.ModelInfo | None:
         async with self.sessions.begin() as s:
@@ -211,11 +200,7 @@ class RegistryStore:
 
     async def list_replicas(self) -> list[m.ReplicaInfo]:
         async with self.sessions() as s:
-            rows = (await s.scalars(select(BlockReplica).order_by(BlockReplica.id))).all()
-            return [
-                m.ReplicaInfo(model=r.model, block_id=r.block_id, worker_id=r.worker_id, tier=r.tier, state=r.state)
-                for r in rows
-            ]
+            return await _replicas(s)
 
     # --- instances --------------------------------------------------------------------------------
 
@@ -272,10 +257,7 @@ class RegistryStore:
 
     async def list_instances(self, live_only: bool = True) -> list[m.InstanceInfo]:
         async with self.sessions() as s:
-            q = select(Instance).order_by(Instance.created_at)
-            if live_only:
-                q = q.where(Instance.state.in_(("loading", "ready", "draining")))
-            return [_instance_info(r) for r in (await s.scalars(q)).all()]
+            return await _instances(s, live_only)
 
     # --- scale operations ---------------------------------------------------------------------------
 
@@ -313,5 +295,50 @@ class RegistryStore:
 
     async def recent_scale_ops(self, limit: int) -> list[m.ScaleOpInfo]:
         async with self.sessions() as s:
-            q = select(ScaleOperation).order_by(ScaleOperation.created_at.desc()).limit(limit)
-            return [_scale_op_info(r) for r in (await s.scalars(q)).all()]
+            return await _recent_scale_ops(s, limit)
+
+    async def cluster_view(self, include_dead: bool = False, recent_scale_ops: int = 20) -> m.ClusterView:
+        """Everything a planner decides on, read in one session: a scale decision waits on this,
+        and one connection checkout instead of five keeps it short."""
+        async with self.sessions() as s:
+            return m.ClusterView(workers=await _workers(s, include_dead), models=await _models(s),
+                                 replicas=await _replicas(s), instances=await _instances(s),
+                                 scale_ops=await _recent_scale_ops(s, recent_scale_ops))
+
+
+# --- reads shared by the list methods and cluster_view (one session each call) ---------------
+
+async def _workers(s: AsyncSession, include_dead: bool = False) -> list[m.WorkerInfo]:
+    q = select(Worker).order_by(Worker.worker_id)
+    if not include_dead:
+        q = q.where(Worker.state == "alive")
+    return [_worker_info(w) for w in (await s.scalars(q)).all()]
+
+
+async def _models(s: AsyncSession, include_deleted: bool = False) -> list[m.ModelInfo]:
+    q = select(Model).order_by(Model.name)
+    if not include_deleted:
+        q = q.where(Model.state == "deployed")
+    rows = (await s.scalars(q)).all()
+    by_model: dict[str, list[ModelBlock]] = {}
+    for b in (await s.scalars(select(ModelBlock))).all():
+        by_model.setdefault(b.model, []).append(b)
+    return [_model_info(r, by_model.get(r.name, [])) for r in rows]
+
+
+async def _replicas(s: AsyncSession) -> list[m.ReplicaInfo]:
+    rows = (await s.scalars(select(BlockReplica).order_by(BlockReplica.id))).all()
+    return [m.ReplicaInfo(model=r.model, block_id=r.block_id, worker_id=r.worker_id, tier=r.tier, state=r.state)
+            for r in rows]
+
+
+async def _instances(s: AsyncSession, live_only: bool = True) -> list[m.InstanceInfo]:
+    q = select(Instance).order_by(Instance.created_at)
+    if live_only:
+        q = q.where(Instance.state.in_(("loading", "ready", "draining")))
+    return [_instance_info(r) for r in (await s.scalars(q)).all()]
+
+
+async def _recent_scale_ops(s: AsyncSession, limit: int) -> list[m.ScaleOpInfo]:
+    q = select(ScaleOperation).order_by(ScaleOperation.created_at.desc()).limit(limit)
+    return [_scale_op_info(r) for r in (await s.scalars(q)).all()]

@@ -135,13 +135,7 @@ class RegistryService(Service):
         @b.subscriber(subjects.REGISTRY_CLUSTER)
         @rpc(m.GetCluster)
         async def cluster(req: m.GetCluster) -> m.ClusterView:
-            return m.ClusterView(
-                workers=await self.store.list_workers(req.include_dead),
-                models=await self.store.list_models(),
-                replicas=await self.store.list_replicas(),
-                instances=await self.store.list_instances(),
-                scale_ops=await self.store.recent_scale_ops(req.recent_scale_ops),
-            )
+            return await self.store.cluster_view(req.include_dead, req.recent_scale_ops)
 
         @b.subscriber(subjects.REGISTRY_INSTANCE_CREATE)
         @rpc(m.CreateInstance)
