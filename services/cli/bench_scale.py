@@ -27,6 +27,7 @@ from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import make_broker, publish, start_broker
 from services.cli.bench_cluster import mode_cluster, namespaced
+from services.cli.cluster import ClusterError
 
 TIMELINE_STEP_S = 0.1
 CHUNK_BYTES = 1 << 20  # the data plane's chunk (TransferPart default)
@@ -184,6 +185,16 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
                 "model_bytes": model_bytes}
 
 
+TRIAL_KEYS = ("first_byte_s", "all_ready_s", "bound_s", "ratio_to_bound", "timings_s", "error")
+
+
+def failed_trial(mode: str, error: str) -> dict:
+    """A trial that did not finish, shaped like run_once's result (it counts as no time)."""
+    return {"mode": mode, "plan": None, "first_byte_s": None, "instance_ready_s": [], "all_ready_s": None,
+            "bound_s": None, "ratio_to_bound": None, "tokens_per_s_timeline": [], "failed_requests": 0,
+            "model_bytes": None, "timings_s": {}, "error": error}
+
+
 def _median(values: list[float | None]) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -200,15 +211,19 @@ def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: in
         trials = []
         for i in range(repeat):
             _log(f"bench scale: {mode}, trial {i + 1}/{repeat}")
-            trials.append(run_once(mode, workers=workers, from_n=from_n, to_n=to_n, model_path=model_path,
-                                   state_dir=state_dir / f"{mode}-{i}", emulate=emulate, profile=profile,
-                                   concurrency=concurrency or to_n, max_tokens=max_tokens, timeout_s=timeout_s))
+            try:
+                trials.append(run_once(mode, workers=workers, from_n=from_n, to_n=to_n, model_path=model_path,
+                                       state_dir=state_dir / f"{mode}-{i}", emulate=emulate, profile=profile,
+                                       concurrency=concurrency or to_n, max_tokens=max_tokens, timeout_s=timeout_s))
+            except (ClusterError, TimeoutError, httpx.HTTPError) as e:
+                # One broken trial must not lose the others (a full run takes a quarter of an hour).
+                _log(f"bench scale: {mode}, trial {i + 1} failed: {e!r}; logs in {state_dir / f'{mode}-{i}'}")
+                trials.append(failed_trial(mode, f"{type(e).__name__}: {e}"))
         ordered = sorted(trials, key=lambda r: (r["all_ready_s"] is None, r["all_ready_s"] or 0))
         median = dict(ordered[(len(ordered) - 1) // 2])
         median |= {"first_byte_s": _median([r["first_byte_s"] for r in trials]),
                    "all_ready_s": _median([r["all_ready_s"] for r in trials]),
-                   "trials": [{k: r[k] for k in ("first_byte_s", "all_ready_s", "bound_s", "ratio_to_bound",
-                                                 "timings_s")} for r in trials]}
+                   "trials": [{k: r[k] for k in TRIAL_KEYS if k in r} for r in trials]}
         if median["all_ready_s"] and median["bound_s"]:
             median["ratio_to_bound"] = median["all_ready_s"] / median["bound_s"]
         results.append(median)
