@@ -161,8 +161,8 @@ class PartRun:
             if send_error:
                 raise _as_transfer_error(op_id, send_error[0])
             result.finished_at = time.time()
-            result.first_byte_at = min((self.slots[h.block].first_byte_at for h in self.receives
-                                        if self.slots[h.block].first_byte_at is not None), default=None)
+            stamps = [self.slots[h.block].first_byte_at for h in self.receives]
+            result.first_byte_at = min((t for t in stamps if t is not None), default=None)
             return result
         except BaseException as e:
             cancel.set()

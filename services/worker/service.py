@@ -586,6 +586,11 @@ class WorkerService(Service):
                 req.span.end()
                 del self.requests[request_id]
 
+    def _require_checkpoint(self, path: str) -> None:
+        if not os.path.isdir(path):
+            raise DomainError(f"checkpoint path {path!r} is not readable on {self.config.worker_id}",
+                              code="not_found")
+
     async def _command(self, cmd: m.WorkerCommand) -> m.CommandAck:
         """One planner command, whether it came as an RPC or as a plan part from JetStream."""
         op = cmd.root
@@ -605,8 +610,7 @@ class WorkerService(Service):
                 return m.CommandAck(accepted=True, detail="already loaded")
             if op.instance_id in self.instances or op.instance_id in self._loading:
                 return m.CommandAck(accepted=True, detail="already loaded or loading")
-            if not os.path.isdir(op.path):
-                raise DomainError(f"checkpoint path {op.path!r} is not readable on {wid}", code="not_found")
+            self._require_checkpoint(op.path)
             self._loading.add(op.instance_id)
             info = m.InstanceInfo(instance_id=op.instance_id, model=op.model, stages=[
                 m.Stage(worker_id=wid, block_start=op.block_start, block_end=op.block_end)],
@@ -614,8 +618,7 @@ class WorkerService(Service):
             asyncio.create_task(self._load(op, info))
             return m.CommandAck(accepted=True, detail="loading")
         if isinstance(op, m.FetchBlocks):
-            if not os.path.isdir(op.path):
-                raise DomainError(f"checkpoint path {op.path!r} is not readable on {wid}", code="not_found")
+            self._require_checkpoint(op.path)
             asyncio.create_task(self._fetch(op))
             return m.CommandAck(accepted=True, detail="fetching")
         if isinstance(op, m.ReleaseBlocks):
