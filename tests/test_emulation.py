@@ -403,32 +403,40 @@ def test_stale_blkio_groups_are_cleaned_up():
 
 def test_profile_defaults_overrides_and_what_a_cluster_applies(tmp_path):
     # The papers' ratios: network 10x disk, host->device 1.25x network.
-    assert DEFAULT_PROFILE == EmulationProfile(link_mbit=400, disk_read_mbit=40, host_to_device_mbit=500)
+    # A node's host memory holds 3 models (lambdaScale 2.3).
+    assert DEFAULT_PROFILE == EmulationProfile(link_mbit=400, disk_read_mbit=40, host_to_device_mbit=500,
+                                               host_cache_models=3)
     assert DEFAULT_PROFILE.describe() == ("links 400 Mbit/s, disk reads 40 Mbit/s, host->device 500 Mbit/s, "
-                                          "CPU uncapped")
+                                          "CPU uncapped, host cache 3 models")
     # Command-line style: None keeps the default, 0 uncaps.
     assert DEFAULT_PROFILE.with_overrides() == DEFAULT_PROFILE
-    p = DEFAULT_PROFILE.with_overrides(link_mbit=100, disk_read_mbit=0, host_to_device_mbit=0, cpu_quota=0.5)
-    assert p == EmulationProfile(link_mbit=100, disk_read_mbit=None, host_to_device_mbit=None, cpu_quota=0.5)
+    p = DEFAULT_PROFILE.with_overrides(link_mbit=100, disk_read_mbit=0, host_to_device_mbit=0, cpu_quota=0.5,
+                                       host_cache_models=0)
+    assert p == EmulationProfile(link_mbit=100, disk_read_mbit=None, host_to_device_mbit=None, cpu_quota=0.5,
+                                 host_cache_models=None)
+    assert p.describe().endswith("host cache bounded by bytes only")
     with pytest.raises(ValueError, match="link_mbit"):
         DEFAULT_PROFILE.with_overrides(link_mbit=-1)
+    with pytest.raises(ValueError, match="host_cache_models"):
+        DEFAULT_PROFILE.with_overrides(host_cache_models=-2)
 
     cluster = EmulatedCluster.from_profile(2, DEFAULT_PROFILE, disk_path=tmp_path)
     assert cluster.profile == DEFAULT_PROFILE
     assert all(n.blkio_cgroup and not n.cgroup for n in cluster.nodes)
     # The old call style still works, and records what it applies.
     assert EmulatedCluster(3, link_mbit=100, cpu_quota=0.5).profile == EmulationProfile(
-        link_mbit=100, disk_read_mbit=None, host_to_device_mbit=None, cpu_quota=0.5)
+        link_mbit=100, disk_read_mbit=None, host_to_device_mbit=None, cpu_quota=0.5, host_cache_models=None)
 
 
-def test_workers_get_the_host_to_device_rate_only_when_emulated(tmp_path):
+def test_workers_get_the_host_to_device_rate_and_cache_bound_only_when_emulated(tmp_path):
     spec = ClusterSpec(state_dir=tmp_path, workers=2)
-    cluster = EmulatedCluster(2, host_to_device_mbit=500)
+    cluster = EmulatedCluster(2, host_to_device_mbit=500, host_cache_models=3)
     args = worker_args(spec, 1, cluster)
     assert args[args.index("--emulated-host-to-device-mbit") + 1] == "500"
+    assert args[args.index("--host-cache-models") + 1] == "3"
     assert args[args.index("--data-host") + 1] == cluster.nodes[1].ip
-    assert "--emulated-host-to-device-mbit" not in worker_args(spec, 1, EmulatedCluster(2))
-    assert "--emulated-host-to-device-mbit" not in worker_args(spec, 1)
+    for args in (worker_args(spec, 1, EmulatedCluster(2)), worker_args(spec, 1)):
+        assert "--emulated-host-to-device-mbit" not in args and "--host-cache-models" not in args
 
 
 def test_up_rejects_emulation_flags_without_emulate(tmp_path):

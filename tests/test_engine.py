@@ -11,7 +11,7 @@ from conftest_models import N_BLOCKS, arch, block_dir, hf_dir, load_all, referen
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, MistralConfig, Qwen2Config
 
 from libs.checkpoint import CheckpointIndex, convert_checkpoint
-from libs.engine import AdmissionError, Engine, LayerRange, SamplingParams
+from libs.engine import SUPPORTED_MODEL_TYPES, AdmissionError, Engine, LayerRange, SamplingParams, warm_up
 
 PROMPT = [1, 17, 200, 45, 301, 99, 7, 450, 12, 64]
 DECODE = [42, 7, 333, 2]
@@ -386,3 +386,11 @@ def test_arriving_blocks_need_an_explicit_device(loaded):
     index, blocks = loaded
     with pytest.raises(ValueError, match="device"):
         LayerRange(index, _Arriving(blocks))
+
+
+def test_warm_up_builds_a_skeleton_of_every_supported_model_type():
+    """A worker warms up at start; it must work for each type the engine serves (and only on meta)."""
+    warm_up()
+    warm_up(SUPPORTED_MODEL_TYPES[:1])
+    with pytest.raises(KeyError):
+        warm_up(("no-such-type",))

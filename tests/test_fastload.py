@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from safetensors.torch import load_file
 
@@ -450,6 +452,51 @@ def test_host_cache_never_evicts_pinned_blocks():
     assert cache.keys() == [("m", 1), ("m", 3)]
     # Once unpinned, a block is evicted like any other.
     assert cache.put(("m", 4), buf(100)) == [("m", 1)]
+
+
+def test_host_cache_keeps_at_most_max_models_least_recently_used_out_first():
+    cache = HostBlockCache(capacity_bytes=10_000, max_models=2)
+    assert cache.put(("a", 0), buf(10)) == [] and cache.put(("a", 1), buf(10)) == []
+    assert cache.put(("b", 0), buf(10)) == []
+    cache.get(("a", 0))  # a is now the most recently used model
+    assert cache.models() == ["b", "a"]
+    # A third model pushes out every block of the least recently used one, with room to spare in bytes.
+    assert cache.put(("c", 0), buf(10)) == [("b", 0)]
+    assert cache.models() == ["a", "c"] and cache.used_bytes == 30
+    # A model with a pinned block stays (it is in use) and counts: the next oldest goes instead.
+    cache.pin(("a", 1))
+    assert cache.put(("d", 0), buf(10)) == [("c", 0)]
+    assert cache.models() == ["a", "d"]
+    # Unpinned, a is the least recently used and goes on the next overflow.
+    assert cache.unpin(("a", 1)) == []
+    assert cache.put(("e", 0), buf(10)) == [("a", 1), ("a", 0)]
+    assert cache.models() == ["d", "e"]
+    with pytest.raises(ValueError):
+        HostBlockCache(capacity_bytes=10, max_models=-1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("put get pin unpin".split()), st.integers(0, 4), st.integers(0, 2)),
+                max_size=40), st.integers(1, 3))
+def test_host_cache_model_bound_holds_unless_pinned_models_exceed_it(ops, max_models):
+    cache = HostBlockCache(capacity_bytes=1 << 20, max_models=max_models)
+    pins: dict[tuple[str, int], int] = {}
+    for op, model, block in ops:
+        key = (f"m{model}", block)
+        held = {k for k, n in pins.items() if n and k in cache}
+        if op == "put":
+            cache.put(key, buf(8))
+        elif op == "get":
+            cache.get(key)
+        elif op == "pin":
+            cache.pin(key)
+            pins[key] = pins.get(key, 0) + 1
+        elif pins.get(key):
+            cache.unpin(key)
+            pins[key] -= 1
+        pinned_models = {k[0] for k, n in pins.items() if n and k in cache}
+        assert len(cache.models()) <= max(max_models, len(pinned_models))
+        assert all(k in cache for k in held if pins[k])  # a pinned block is never evicted
 
 
 def test_host_cache_holds_loaded_blocks(ckpt, index, reference):

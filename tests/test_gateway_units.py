@@ -48,3 +48,25 @@ async def test_least_loaded_instance_is_chosen():
     routes.add("b", "w2")
     got = [(await routes.acquire(1)).instance_id for _ in range(4)]
     assert sorted(got) == ["a", "a", "b", "b"]
+
+
+async def test_a_model_added_from_several_paths_at_once_gets_one_entry(tiny_checkpoint):
+    """The deploy call, the model event and the resync can add a model at the same moment:
+    they share one entry, so an instance routed through the first is not lost to a second."""
+    from libs.checkpoint import CheckpointIndex
+    from libs.protocol import messages as m
+    from services.gateway.service import GatewayService
+
+    index = CheckpointIndex.load(tiny_checkpoint)
+    info = m.ModelInfo(name="tiny", path=str(tiny_checkpoint), arch=index.arch, n_layers=index.n_layers,
+                       blocks=[m.BlockInfo(block_id=b.id, nbytes=b.nbytes, checksum=b.checksum,
+                                           layer_start=b.layer_start, layer_end=b.layer_end) for b in index.blocks],
+                       state=m.ModelState.deployed, created_at=0.0)
+    gateway = GatewayService()
+    first = asyncio.create_task(gateway.add_model(info))
+    await asyncio.sleep(0)  # the first is reading the tokenizer when an instance becomes ready
+    entries = await asyncio.gather(first, gateway.add_model(info), gateway.add_model(info))
+    assert entries[0] is entries[1] is entries[2] is gateway.models["tiny"]
+    entries[0].routes.add("inst-1", "worker-0")
+    again = await gateway.add_model(info.model_copy(update={"max_queue": 7}))
+    assert again is entries[0] and again.routes.max_queue == 7 and list(again.routes.routes) == ["inst-1"]

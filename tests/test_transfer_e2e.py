@@ -143,6 +143,45 @@ def test_a_bad_transfer_part_is_refused_with_a_reason(cluster):
         asyncio.run(run())
 
 
+def test_a_cancelled_part_stops_at_once_and_a_late_copy_is_refused(cluster):
+    """The planner cancels every part when one worker refuses its own: a receiver waiting for a
+    sender that never sends stops now (not after its 30 s stall timeout) and reports why."""
+    w = cluster_view(cluster)["workers"][0]["worker_id"]
+    tid = f"cancel-{uuid.uuid4().hex[:8]}"
+
+    with TcpTransport("silent") as silent:  # a peer that never sends
+        part = m.TransferPart(transfer_id=tid, model="other", algorithm="chain", stall_timeout_s=30.0, blocks=[
+            m.BlockInfo(block_id=0, nbytes=4096, checksum="00000000", layer_start=0, layer_end=1)],
+            peers={"silent": silent.address}, receives=[m.TransferHop(step=0, peer="silent", block=0)])
+
+        async def run():
+            listener = Listener(cluster.nats_url)
+            await start_broker(listener.broker)
+            try:
+                assert (await call(listener.broker, subjects.worker_command(w), part, m.CommandAck)).accepted
+                await asyncio.sleep(0.3)
+                t0 = time.monotonic()
+                cancel = m.CancelTransfer(transfer_id=tid, reason="worker-9 refused its part")
+                ack = await call(listener.broker, subjects.worker_command(w), cancel, m.CommandAck)
+                (report,) = await listener.wait_reports(tid, 1, 10)
+                took = time.monotonic() - t0
+                again = await call(listener.broker, subjects.worker_command(w), cancel, m.CommandAck)
+                try:
+                    await call(listener.broker, subjects.worker_command(w), part, m.CommandAck)
+                    late = None
+                except Exception as e:  # noqa: BLE001 - the refusal's text is asserted below
+                    late = str(e)
+                return ack, report, took, again, late
+            finally:
+                await listener.broker.stop()
+
+        ack, report, took, again, late = asyncio.run(run())
+    assert ack.accepted and ack.detail == "cancelled"
+    assert not report.ok and "cancelled" in report.error and took < 5, (report, took)
+    assert again.accepted and again.detail == "not running"
+    assert late is not None and "was cancelled: worker-9 refused its part" in late
+
+
 def test_receiving_one_model_does_not_block_serving_another(cluster):
     """While a slow multicast of another model streams into the serving worker, requests keep flowing."""
     src = serving_worker(cluster)

@@ -1,7 +1,7 @@
 """Layer-range execution over block buffers, KV caches, sampling, and a local serving engine."""
 
 from .engine import AdmissionError, Engine, TokenOutput, checkpoint_eos_ids, local_stages
-from .model import SUPPORTED_MODEL_TYPES, LayerRange, hf_config
+from .model import SUPPORTED_MODEL_TYPES, LayerRange, hf_config, warm_up
 from .sampling import SamplingParams, make_generator, sample_token
 from .stages import LocalStage, RemoteStage, StageServer
 
@@ -20,4 +20,5 @@ __all__ = [
     "hf_config",
     "make_generator",
     "sample_token",
+    "warm_up",
 ]

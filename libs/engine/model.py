@@ -42,6 +42,20 @@ def hf_config(index: CheckpointIndex, attn_implementation: str = "sdpa"):
     return config
 
 
+def warm_up(model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES, attn_implementation: str = "sdpa") -> None:
+    """Build a tiny skeleton of each model type on the meta device.
+
+    The first skeleton a process builds pays for transformers' lazy imports and first-use
+    set-up (about 1 s on a laptop core); a worker does this at start, so its first instance
+    is not ready that much later than the next."""
+    tiny = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1)
+    for model_type in model_types:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**tiny),
+                                             attn_implementation=attn_implementation)
+
+
 class BlockSource(Protocol):
     """Blocks that are still arriving (a loader's LoadJob): `wait` blocks until one is verified."""
 

@@ -292,6 +292,16 @@ class ReleaseBlocks(Message):
     blocks: list[int] = Field(min_length=1)
 
 
+class CancelTransfer(Message):
+    """Planner -> worker: stop a transfer part now (another worker refused its part, so the
+    multicast cannot complete). Its receivers read from disk what did not arrive; the part, if it
+    arrives later, is refused."""
+
+    op: Literal["cancel_transfer"] = "cancel_transfer"
+    transfer_id: str
+    reason: str = ""
+
+
 class UnloadModel(Message):
     """Planner -> worker: stop serving an instance once in-flight requests end.
     Blocks stay in the host tier (bounded cache) so a later start is warm."""
@@ -349,10 +359,10 @@ class TransferPart(Message):
         return self
 
 
-class WorkerCommand(RootModel[Annotated[LoadModel | UnloadModel | TransferPart | FetchBlocks | ReleaseBlocks,
-                                         Field(discriminator="op")]]):
+class WorkerCommand(RootModel[Annotated[LoadModel | UnloadModel | TransferPart | CancelTransfer | FetchBlocks
+                                         | ReleaseBlocks, Field(discriminator="op")]]):
     """What arrives on subjects.worker_command(...): a LoadModel, an UnloadModel, a TransferPart,
-    a FetchBlocks or a ReleaseBlocks."""
+    a CancelTransfer, a FetchBlocks or a ReleaseBlocks."""
 
 
 class CommandAck(Message):

@@ -154,7 +154,10 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
                                                  help="With --emulate: host->device copy rate (paced by the "
                                                       "workers); 0: not capped."),
        cpu_quota: float = typer.Option(None, "--cpu-quota",
-                                       help="With --emulate: CPUs per worker (cgroup quota); 0: not capped.")
+                                       help="With --emulate: CPUs per worker (cgroup quota); 0: not capped."),
+       host_cache_models: int = typer.Option(None, "--host-cache-models", min=0,
+                                             help="With --emulate: models a worker's host memory keeps "
+                                                  "(default 3, lambdaScale); 0: bounded by bytes only.")
        ) -> None:
     """Start a dev cluster: NATS, database, the five services and N workers."""
     state_dir = state_dir.resolve()
@@ -166,8 +169,9 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
             _fail(f"--emulate needs root, iproute2 and network namespaces: {why}")
         if detach:
             _fail("--emulate runs in the foreground: the emulated network lives as long as this command")
-    elif any(v is not None for v in (link_mbit, disk_mbit, host_to_device_mbit, cpu_quota)):
-        _fail("--link-mbit, --disk-mbit, --host-to-device-mbit and --cpu-quota only apply with --emulate")
+    elif any(v is not None for v in (link_mbit, disk_mbit, host_to_device_mbit, cpu_quota, host_cache_models)):
+        _fail("--link-mbit, --disk-mbit, --host-to-device-mbit, --cpu-quota and --host-cache-models only apply "
+              "with --emulate")
     try:
         existing = ClusterState.load(state_dir)
         if any(p["alive"] for p in cluster_status(state_dir)["processes"]):
@@ -185,7 +189,7 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
             try:
                 profile = DEFAULT_PROFILE.with_overrides(link_mbit=link_mbit, disk_read_mbit=disk_mbit,
                                                          host_to_device_mbit=host_to_device_mbit,
-                                                         cpu_quota=cpu_quota)
+                                                         cpu_quota=cpu_quota, host_cache_models=host_cache_models)
                 # Disk caps apply to the disk holding the state dir: the demo checkpoints live there.
                 state_dir.mkdir(parents=True, exist_ok=True)
                 emulation = stack.enter_context(EmulatedCluster.from_profile(workers, profile, disk_path=state_dir))

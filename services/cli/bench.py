@@ -268,11 +268,13 @@ def engine(
 
 
 def _emulation_profile(emulate: bool, link_mbit: float | None, disk_mbit: float | None,
-                       host_to_device_mbit: float | None, cpu_quota: float | None):
+                       host_to_device_mbit: float | None, cpu_quota: float | None,
+                       host_cache_models: int | None = None):
     """The default emulated cluster profile with the command's overrides (None: not emulated)."""
     if not emulate:
-        if any(v is not None for v in (link_mbit, disk_mbit, host_to_device_mbit, cpu_quota)):
-            raise typer.BadParameter("--link-mbit, --disk-mbit, --host-to-device-mbit and --cpu-quota need --emulate")
+        if any(v is not None for v in (link_mbit, disk_mbit, host_to_device_mbit, cpu_quota, host_cache_models)):
+            raise typer.BadParameter("--link-mbit, --disk-mbit, --host-to-device-mbit, --cpu-quota and "
+                                     "--host-cache-models need --emulate")
         return None
     from services.cli.emulation import DEFAULT_PROFILE, can_emulate
 
@@ -280,7 +282,8 @@ def _emulation_profile(emulate: bool, link_mbit: float | None, disk_mbit: float 
     if not ok:
         raise typer.BadParameter(f"cannot emulate a cluster here: {why}")
     return DEFAULT_PROFILE.with_overrides(link_mbit=link_mbit, disk_read_mbit=disk_mbit,
-                                          host_to_device_mbit=host_to_device_mbit, cpu_quota=cpu_quota)
+                                          host_to_device_mbit=host_to_device_mbit, cpu_quota=cpu_quota,
+                                          host_cache_models=host_cache_models)
 
 
 @bench_app.command("trace")
@@ -326,6 +329,9 @@ def trace(
     disk_mbit: float = typer.Option(None, "--disk-mbit", help="With --emulate; 0: not capped."),
     host_to_device_mbit: float = typer.Option(None, "--host-to-device-mbit", help="With --emulate; 0: not capped."),
     cpu_quota: float = typer.Option(None, "--cpu-quota", help="With --emulate: CPUs per worker; 0: not capped."),
+    host_cache_models: int = typer.Option(None, "--host-cache-models", min=0,
+                                          help="With --emulate: models a worker's host memory keeps (default 3); "
+                                               "0: bounded by bytes only."),
     plot: Path = typer.Option(None, "--plot", help="Write a PNG: request rate, instances, TTFT CDF."),
     attribution: str = typer.Option(None, "--attribution", help="The trace's attribution (default: from its name)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -353,7 +359,8 @@ def trace(
         raise typer.BadParameter(str(e)) from None
     if (slo_ttft_s is None) != (slo_tbt_s is None):
         raise typer.BadParameter("give both --slo-ttft-s and --slo-tbt-s, or neither")
-    profile = _emulation_profile(emulate, link_mbit, disk_mbit, host_to_device_mbit, cpu_quota)
+    profile = _emulation_profile(emulate, link_mbit, disk_mbit, host_to_device_mbit, cpu_quota,
+                                 host_cache_models)
     cfg = TraceBenchConfig(workers=workers, max_instances=max_instances or None, preset=preset, blocks=blocks,
                            model_path=model, keep_alive_s=keep_alive_s, scale_down_delay_s=scale_down_delay_s,
                            serverlessllm_keep_alive_s=serverlessllm_keep_alive_s,
@@ -411,6 +418,9 @@ def scale(
     disk_mbit: float = typer.Option(None, "--disk-mbit", help="With --emulate; 0: not capped."),
     host_to_device_mbit: float = typer.Option(None, "--host-to-device-mbit", help="With --emulate; 0: not capped."),
     cpu_quota: float = typer.Option(None, "--cpu-quota", help="With --emulate: CPUs per worker; 0: not capped."),
+    host_cache_models: int = typer.Option(None, "--host-cache-models", min=0,
+                                          help="With --emulate: models a worker's host memory keeps (default 3); "
+                                               "0: bounded by bytes only."),
     timeout_s: float = typer.Option(600.0, "--timeout-s", help="Per wait (settle, scale-out)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     state_dir: Path = typer.Option(Path(".layercast"), "--state-dir"),
@@ -421,7 +431,8 @@ def scale(
     from services.cli.bench_trace import bench_model, parse_modes
     from services.cli.cluster import ClusterError
 
-    profile = _emulation_profile(emulate, link_mbit, disk_mbit, host_to_device_mbit, cpu_quota)
+    profile = _emulation_profile(emulate, link_mbit, disk_mbit, host_to_device_mbit, cpu_quota,
+                                 host_cache_models)
     try:
         path = model or bench_model(state_dir.resolve(), preset, blocks)
         result = run_scale_benchmark(modes=parse_modes(modes), workers=workers, from_n=from_n, to_n=to_n,

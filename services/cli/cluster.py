@@ -188,6 +188,8 @@ def worker_args(spec: ClusterSpec, i: int, emulation: "EmulatedCluster | None" =
             args += ["--link-gbps", f"{emulation.profile.link_mbit / 1000:g}"]
         if emulation.profile.host_to_device_mbit:
             args += ["--emulated-host-to-device-mbit", f"{emulation.profile.host_to_device_mbit:g}"]
+        if emulation.profile.host_cache_models:
+            args += ["--host-cache-models", str(emulation.profile.host_cache_models)]
     return args
 
 

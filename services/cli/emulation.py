@@ -86,25 +86,29 @@ class EmulationProfile:
     disk_read_mbit: float | None = 40        # cgroup v1 blkio read throttle on the checkpoint disk
     host_to_device_mbit: float | None = 500  # workers pace host tier -> engine copies in software
     cpu_quota: float | None = None           # CPUs per worker (cgroup v1 cpu quota)
+    # Models a worker's host memory keeps (LRU), as lambdaScale 2.3 sizes a node: "up to 3 models".
+    # It bounds serverlessllm's host cache; the workers apply it (--host-cache-models).
+    host_cache_models: int | None = 3
 
     def __post_init__(self) -> None:
-        for name in ("link_mbit", "disk_read_mbit", "host_to_device_mbit", "cpu_quota"):
+        for name in ("link_mbit", "disk_read_mbit", "host_to_device_mbit", "cpu_quota", "host_cache_models"):
             _check_cap(name, getattr(self, name))
 
     def with_overrides(self, *, link_mbit: float | None = None, disk_read_mbit: float | None = None,
-                       host_to_device_mbit: float | None = None, cpu_quota: float | None = None
-                       ) -> EmulationProfile:
+                       host_to_device_mbit: float | None = None, cpu_quota: float | None = None,
+                       host_cache_models: int | None = None) -> EmulationProfile:
         """This profile with the given values replaced: None keeps a value, 0 uncaps it (command-line style)."""
         given = dict(link_mbit=link_mbit, disk_read_mbit=disk_read_mbit, host_to_device_mbit=host_to_device_mbit,
-                     cpu_quota=cpu_quota)
+                     cpu_quota=cpu_quota, host_cache_models=host_cache_models)
         return replace(self, **{k: (v or None) for k, v in given.items() if v is not None})
 
     def describe(self) -> str:
         def rate(v: float | None) -> str:
             return f"{v:g} Mbit/s" if v else "uncapped"
         cpu = f"{self.cpu_quota:g} per worker" if self.cpu_quota else "uncapped"
+        cache = f"{self.host_cache_models} models" if self.host_cache_models else "bounded by bytes only"
         return (f"links {rate(self.link_mbit)}, disk reads {rate(self.disk_read_mbit)}, "
-                f"host->device {rate(self.host_to_device_mbit)}, CPU {cpu}")
+                f"host->device {rate(self.host_to_device_mbit)}, CPU {cpu}, host cache {cache}")
 
 
 DEFAULT_PROFILE = EmulationProfile()
@@ -284,13 +288,14 @@ def _delete_netns(netns: str) -> bool:
 class EmulatedCluster:
     def __init__(self, n_nodes: int, link_mbit: float | None = None, *, cpu_quota: float | None = None,
                  disk_read_mbit: float | None = None, disk_path: str | os.PathLike | None = None,
-                 host_to_device_mbit: float | None = None, mtu: int = 9000, prefix: str | None = None,
-                 subnet: str | None = None) -> None:
+                 host_to_device_mbit: float | None = None, host_cache_models: int | None = None,
+                 mtu: int = 9000, prefix: str | None = None, subnet: str | None = None) -> None:
         if n_nodes < 1:
             raise ValueError("n_nodes must be >= 1")
         # What is applied (validated there); callers read e.g. profile.host_to_device_mbit.
         self.profile = EmulationProfile(link_mbit=link_mbit, disk_read_mbit=disk_read_mbit,
-                                        host_to_device_mbit=host_to_device_mbit, cpu_quota=cpu_quota)
+                                        host_to_device_mbit=host_to_device_mbit, cpu_quota=cpu_quota,
+                                        host_cache_models=host_cache_models)
         if disk_read_mbit is not None and disk_path is None:
             raise ValueError("disk_read_mbit needs disk_path (a path on the disk holding the checkpoints)")
         if not 68 <= mtu <= 65535:
@@ -334,7 +339,8 @@ class EmulatedCluster:
                      **kwargs: Any) -> EmulatedCluster:
         """A cluster applying `profile`; disk_path: where the checkpoints live (with a disk cap)."""
         return cls(n_nodes, profile.link_mbit, cpu_quota=profile.cpu_quota, disk_read_mbit=profile.disk_read_mbit,
-                   disk_path=disk_path, host_to_device_mbit=profile.host_to_device_mbit, **kwargs)
+                   disk_path=disk_path, host_to_device_mbit=profile.host_to_device_mbit,
+                   host_cache_models=profile.host_cache_models, **kwargs)
 
     # -- lifecycle ---------------------------------------------------------
 

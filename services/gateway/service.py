@@ -5,6 +5,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ from services.gateway.text import IncrementalDetokenizer, StopMatcher
 
 log = logging.getLogger(__name__)
 _tracer = tracer("gateway")
+
+SLOW_MODEL_LOAD_S = 2.0  # a tokenizer and index read slower than this is logged as a warning
 
 TTFT = Histogram("layercast_gateway_ttft_seconds", "Time to first token", ["model"],
                  buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
@@ -185,6 +188,7 @@ class GatewayService(Service):
         self.streams: dict[str, Generation] = {}
         self._synced = False
         self.ended = EndedInstances()
+        self._adding: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._demand = asyncio.Event()
         self._subscribe()
 
@@ -196,13 +200,23 @@ class GatewayService(Service):
 
     # --- model table -------------------------------------------------------------------
     async def add_model(self, info: m.ModelInfo) -> ModelEntry:
-        entry = self.models.get(info.name)
-        if entry is not None and entry.info.path == info.path:
-            entry.info = info
-            entry.routes.max_queue = info.max_queue
-            return entry
+        # The deploy call, the model event and the resync all add the model: one at a time, so
+        # the tokenizer loads once and a later entry never replaces one that routes already use.
+        async with self._adding[info.name]:
+            entry = self.models.get(info.name)
+            if entry is not None and entry.info.path == info.path:
+                entry.info = info
+                entry.routes.max_queue = info.max_queue
+                return entry
+            return await self._load_model(info)
+
+    async def _load_model(self, info: m.ModelInfo) -> ModelEntry:
+        started = time.monotonic()
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, info.path)
         index = await asyncio.to_thread(CheckpointIndex.load, info.path)
+        took = time.monotonic() - started
+        (log.warning if took > SLOW_MODEL_LOAD_S else log.info)("model %s: tokenizer and index read in %.2f s",
+                                                                 info.name, took)
         context = min(int(index.config.get("max_position_embeddings", self.config.max_context)),
                       self.config.max_context)
         eos = index.config.get("eos_token_id", tokenizer.eos_token_id)

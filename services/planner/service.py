@@ -63,6 +63,7 @@ class PlannerService(Service):
         self._waiting: dict[str, str] = {}  # instance_id -> scale_op_id
         self._load: dict[str, int] = {}  # worker_id -> running requests (worker metrics)
         self._pool_fills: dict[tuple[str, str], float] = {}  # (model, worker) -> when a fill was sent
+        self._background: set[asyncio.Task] = set()  # fire-and-forget commands, referenced until done
         self._subscribe()
 
     async def reconcile(self, req: m.ScaleRequest) -> m.ScaleOpInfo | None:
@@ -181,8 +182,8 @@ class PlannerService(Service):
         No ordering is needed: a sender sends a block only once its receiver has granted it,
         which the receiver does after registering where the block lands (the executor's
         grant), so the parts go out together and decision -> first byte saves a round trip.
-        The price is paid only on a refusal: the parts already accepted run until their stall
-        timeout, their receivers read from disk instead (LoadModel without incoming_transfer)."""
+        On a refusal every worker is told to cancel its part (accepted ones stop, a late one is
+        refused), and the receivers read from disk instead (LoadModel without incoming_transfer)."""
         nodes = plan_nodes(plan, sources, receivers)
         transfer_id = f"{op.scale_op_id}-{plan.algorithm}"
         parts = transfer_parts(plan, nodes, {w: alive[w].data_address for w in nodes}, model.blocks,
@@ -195,10 +196,21 @@ class PlannerService(Service):
             log.warning("scale-up %s: %s refused their %s parts (%s); targets load on their own",
                         op.scale_op_id, ",".join(refused), plan.algorithm, "; ".join(refused.values()))
             op.timings.pop("first_send", None)
+            cancel = m.CancelTransfer(transfer_id=transfer_id, reason=f"{','.join(refused)} refused their parts")
+            # In the background: a silent worker must not hold up the targets' own loads.
+            task = asyncio.create_task(self._cancel_parts(op, [w for w in parts if w not in refused], cancel))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
             return None
         log.info("scale-up %s: %s k=%d from %s to %s", op.scale_op_id, plan.algorithm, plan.k,
                  ",".join(sources[: plan.k]), ",".join(receivers))
         return transfer_id
+
+    async def _cancel_parts(self, op: m.ScaleOpInfo, workers: list[str], cancel: m.CancelTransfer) -> None:
+        answers = await asyncio.gather(*(self._command(w, cancel) for w in workers))
+        for w, why in zip(workers, answers):
+            if why:
+                log.warning("scale-up %s: cancelling %s on %s failed: %s", op.scale_op_id, cancel.transfer_id, w, why)
 
     async def _command(self, worker_id: str, cmd: m.Message, part_id: str | None = None) -> str | None:
         """Send a worker one command; None once it accepted, else why not (refused, gone, silent).

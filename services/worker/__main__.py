@@ -22,6 +22,9 @@ def main() -> None:
     p.add_argument("--scaleup-group", default=env("LAYERCAST_TOPOLOGY_SCALEUP_GROUP", ""))
     p.add_argument("--link-gbps", type=float, default=float(env("LAYERCAST_LINK_GBPS", "10")))
     p.add_argument("--host-capacity-gb", type=float, default=float(env("LAYERCAST_HOST_CAPACITY_GB", "8")))
+    p.add_argument("--host-cache-models", type=int, default=int(env("LAYERCAST_HOST_CACHE_MODELS", "0")),
+                   help="models the host tier keeps at most, least recently used out first (pinned "
+                        "blocks stay); 0: bounded by --host-capacity-gb only")
     p.add_argument("--host-arena-gb", type=float, default=float(env("LAYERCAST_HOST_ARENA_GB", "0")),
                    help="host memory reserved (faulted in) at start for loaded blocks; 0: allocate per load")
     p.add_argument("--engine-capacity-gb", type=float, default=float(env("LAYERCAST_ENGINE_CAPACITY_GB", "8")))
@@ -50,7 +53,7 @@ def main() -> None:
         data_advertise_host=a.data_advertise_host, host=a.host, leaf=a.leaf,
         scaleup_group=a.scaleup_group, link_gbps=a.link_gbps,
         host_capacity_bytes=int(a.host_capacity_gb * (1 << 30)),
-        host_arena_bytes=int(a.host_arena_gb * (1 << 30)),
+        host_cache_models=a.host_cache_models, host_arena_bytes=int(a.host_arena_gb * (1 << 30)),
         engine_capacity_bytes=int(a.engine_capacity_gb * (1 << 30)),
         heartbeat_interval_s=a.heartbeat_interval, torch_threads=a.torch_threads,
         device=a.device, serve_while_loading=a.serve_while_loading, load_chunk_bytes=a.load_chunk_mib << 20,

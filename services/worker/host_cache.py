@@ -1,8 +1,9 @@
 """Host-memory tier: block buffers kept after a model leaves the engine, so the
 next start on this worker loads from memory instead of disk.
 
-Bounded by bytes, least-recently-used first; blocks in use by an engine are
-pinned and never evicted.
+Bounded by bytes and, optionally, by models (lambdaScale 2.3 sizes a node's host
+memory in models: "up to 3"); least-recently-used first. Blocks in use by an
+engine or kept for the parameter pool are pinned and never evicted.
 """
 
 from collections import OrderedDict
@@ -13,8 +14,11 @@ BlockKey = tuple[str, int]  # (model, block_id)
 
 
 class HostBlockCache:
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, capacity_bytes: int, max_models: int = 0):
+        if max_models < 0:
+            raise ValueError("max_models must be >= 0 (0: no bound)")
         self.capacity_bytes = capacity_bytes
+        self.max_models = max_models  # 0: no bound on the number of models
         self._blocks: OrderedDict[BlockKey, torch.Tensor] = OrderedDict()
         self._pins: dict[BlockKey, int] = {}
 
@@ -61,6 +65,10 @@ class HostBlockCache:
     def keys(self) -> list[BlockKey]:
         return list(self._blocks)
 
+    def models(self) -> list[str]:
+        """Models with a block here, least recently used first."""
+        return list(dict.fromkeys(reversed([model for model, _ in self._blocks])))[::-1]
+
     def _evict(self) -> list[BlockKey]:
         evicted: list[BlockKey] = []
         used = self.used_bytes
@@ -72,4 +80,25 @@ class HostBlockCache:
             buf = self._blocks.pop(key)
             used -= buf.numel() * buf.element_size()
             evicted.append(key)
+        if self.max_models:
+            evicted += self._evict_models()
+        return evicted
+
+    def _evict_models(self) -> list[BlockKey]:
+        """Over the model bound: drop whole models, least recently used first, skipping any
+        with a pinned block (a model in use stays, and counts)."""
+        evicted: list[BlockKey] = []
+        models = self.models()
+        pinned = {model for model, _ in self._pins}
+        excess = len(models) - self.max_models
+        for model in models:
+            if excess <= 0:
+                break
+            if model in pinned:
+                continue
+            gone = [k for k in self._blocks if k[0] == model]
+            for k in gone:
+                del self._blocks[k]
+            evicted += gone
+            excess -= 1
         return evicted

@@ -30,7 +30,7 @@ from libs.checkpoint.fastload import (
     copy_to_device,
     host_buffer,
 )
-from libs.engine import Engine, SamplingParams, TokenOutput
+from libs.engine import Engine, SamplingParams, TokenOutput, warm_up
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import DomainError, call, on_event, publish, rpc
@@ -76,6 +76,7 @@ class WorkerConfig:
     scaleup_group: str = ""
     link_gbps: float = 10.0
     host_capacity_bytes: int = 8 << 30
+    host_cache_models: int = 0  # models the host tier keeps at most (LRU; 0: bounded by bytes only)
     engine_capacity_bytes: int = 8 << 30
     heartbeat_interval_s: float = 1.0
     torch_threads: int = 0  # 0: torch's default
@@ -188,7 +189,7 @@ class WorkerService(Service):
     def __init__(self, config: WorkerConfig, nats_url: str | None = None):
         super().__init__(nats_url)
         self.config = config
-        self.cache = HostBlockCache(config.host_capacity_bytes)
+        self.cache = HostBlockCache(config.host_capacity_bytes, config.host_cache_models)
         self.loader = BlockLoader(config.device, LoaderConfig(chunk_bytes=config.load_chunk_bytes,
                                                               threads=config.load_threads))
         self.bandwidths_gbps: dict[str, float] = {}
@@ -265,6 +266,18 @@ class WorkerService(Service):
         self._registered = True
         log.info("worker %s registered", self.config.worker_id)
         self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+        # Beside the first commands, not before registering: a cluster comes up no later for it.
+        self._tasks.append(asyncio.create_task(self._warm_up()))
+
+    async def _warm_up(self) -> None:
+        """transformers' first-use costs paid now, not by the first instance (libs/engine warm_up)."""
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(warm_up)
+        except Exception:  # noqa: BLE001 - only a lost optimisation: the first build pays instead
+            log.warning("engine warm-up failed", exc_info=True)
+        else:
+            log.info("engine warm-up took %.2f s", time.monotonic() - started)
 
     def _make_transport(self, loop: asyncio.AbstractEventLoop) -> Transport:
         c = self.config
@@ -617,6 +630,9 @@ class WorkerService(Service):
                 state=m.InstanceState.loading, created_at=time.time(), scale_op_id=op.scale_op_id)
             asyncio.create_task(self._load(op, info))
             return m.CommandAck(accepted=True, detail="loading")
+        if isinstance(op, m.CancelTransfer):
+            stopped = self.transfers.cancel(op.transfer_id, op.reason)
+            return m.CommandAck(accepted=True, detail="cancelled" if stopped else "not running")
         if isinstance(op, m.FetchBlocks):
             self._require_checkpoint(op.path)
             asyncio.create_task(self._fetch(op))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from typing import Protocol
 
 import torch
@@ -28,6 +29,7 @@ _tracer = tracer("worker")
 
 TRANSFER_BYTES = Counter("layercast_worker_transfer_bytes_total", "Block bytes moved by multicasts",
                          ["direction", "algorithm"])
+CANCELLED_REMEMBERED = 256  # cancelled transfer ids kept, to refuse a part that comes after its cancel
 
 
 class BlockStore(Protocol):
@@ -58,11 +60,28 @@ class TransferAgent:
         self.blocks = blocks
         self.running: dict[str, PartRun] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._cancelled: OrderedDict[str, str] = OrderedDict()  # transfer id -> why; the latest few
+
+    def cancel(self, transfer_id: str, reason: str) -> bool:
+        """Stop the part now (its run ends within a poll, its report says why); a part of this
+        transfer that arrives later is refused. False: none was running."""
+        self._cancelled[transfer_id] = reason or "cancelled"
+        while len(self._cancelled) > CANCELLED_REMEMBERED:
+            self._cancelled.popitem(last=False)
+        run = self.running.get(transfer_id)
+        if run is None:
+            return False
+        log.info("transfer %s cancelled on %s: %s", transfer_id, self.worker_id, reason)
+        run.cancel()
+        return True
 
     async def accept(self, part: m.TransferPart) -> m.CommandAck:
         """Prepare the part (buffers, receive registrations) and start it; ack once ready to receive."""
         if part.transfer_id in self.running:
             return m.CommandAck(accepted=True, detail="already running")
+        if part.transfer_id in self._cancelled:
+            raise DomainError(f"transfer {part.transfer_id} was cancelled: {self._cancelled[part.transfer_id]}",
+                              code="conflict")
         infos = {b.block_id: b for b in part.blocks}
         received = {h.block for h in part.receives}
         slots: dict[int, BlockSlot] = {}
