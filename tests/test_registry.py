@@ -170,14 +170,17 @@ def test_migrations_match_the_models_on_both_databases(kind, database_url, tmp_p
     assert diff == []
 
 
-async def test_concurrent_timing_reports_on_one_scale_op_are_all_kept(database_url):
+@pytest.mark.parametrize("kind", ["postgres", "sqlite"])
+async def test_concurrent_timing_reports_on_one_scale_op_are_all_kept(kind, database_url, tmp_path):
     """The planner and the registry's event handlers add timings to one scale operation at
-    the same moment (a block event and the instance-ready event): none may be lost."""
+    the same moment (a block event and the instance-ready event): none may be lost. SQLite
+    ignores FOR UPDATE: there a write transaction holds the write lock from its start."""
     from libs.db.engine import make_engine
     from libs.db.store import RegistryStore
 
-    migrate(database_url)
-    engine = make_engine(database_url)
+    url = database_url if kind == "postgres" else f"sqlite:///{tmp_path / 'r.db'}"
+    migrate(url)
+    engine = make_engine(url)
     try:
         store = RegistryStore(engine)
         op = m.ScaleOpInfo(scale_op_id="op-race", model="demo", direction="up", reason="test", from_instances=0,

@@ -51,6 +51,12 @@ def migrate(url: str, revision: str = "head") -> None:
     command.upgrade(alembic_config(url), revision)
 
 
+# Execution option of write transactions (write_sessionmaker): on SQLite they begin with the
+# database's write lock (BEGIN IMMEDIATE). SQLite ignores SELECT ... FOR UPDATE, so without it two
+# read-modify-writes of one row (timings merged into a scale operation) interleave and one is lost.
+WRITE_LOCK = "layercast_write_lock"
+
+
 def make_engine(url: str) -> AsyncEngine:
     engine = create_async_engine(async_url(url), pool_pre_ping=True)
     if url.startswith("sqlite"):
@@ -61,9 +67,22 @@ def make_engine(url: str) -> AsyncEngine:
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA journal_mode=WAL")
             cur.close()
+            # The driver would begin a transaction only at the first write, after the reads:
+            # SQLAlchemy begins it instead (below), so a transaction's reads are inside it.
+            dbapi_conn.isolation_level = None
+
+        @event.listens_for(engine.sync_engine, "begin")
+        def _begin(conn):  # noqa: ANN001
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE_LOCK) else "BEGIN")
 
     return engine
 
 
 def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker:
     return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def write_sessionmaker(engine: AsyncEngine) -> async_sessionmaker:
+    """Sessions for transactions that read rows and write them back: Postgres orders them by
+    row locks (with_for_update), SQLite by taking its write lock at BEGIN."""
+    return async_sessionmaker(engine.execution_options(**{WRITE_LOCK: True}), expire_on_commit=False)

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
-from libs.db.engine import make_sessionmaker
+from libs.db.engine import make_sessionmaker, write_sessionmaker
 from libs.db.models import BlockReplica, Instance, Model, ModelBlock, ScaleOperation, Worker
 from libs.protocol import messages as m
 
@@ -87,13 +87,14 @@ def _scale_op_info(row: ScaleOperation) -> m.ScaleOpInfo:
 
 class RegistryStore:
     def __init__(self, engine: AsyncEngine):
-        self.sessions = make_sessionmaker(engine)
+        self.sessions = make_sessionmaker(engine)  # reads
+        self.writes = write_sessionmaker(engine)
 
     # --- workers -------------------------------------------------------------------
 
     async def upsert_worker(self, reg: m.RegisterWorker, now: float | None = None) -> m.WorkerInfo:
         now_dt = to_dt(now or time.time())
-        async with self.sessions.begin() as s:
+        async with self.writes.begin() as s:
             w = await s.get(Worker, reg.worker_id)
             if w is None:
                 w = Worker(worker_id=reg.worker_id, registered_at=now_dt)
@@ -111,7 +112,7 @@ class RegistryStore:
     async def expire_workers(self, older_than: float) -> list[m.WorkerInfo]:
         """Mark workers whose last heartbeat is older than `older_than` dead, drop
         their replicas and stop their instances. Returns the newly dead workers."""
-        async with self.sessions.begin() as s:
+        async with self.writes.begin() as s:
             rows = (
                 await s.scalars(
                     select(Worker).where(Worker.state == "alive", Worker.last_heartbeat < to_dt(older_than))
@@ -132,7 +133,7 @@ class RegistryStore:
     # --- models ---------------------------------------------------------------------------
 
     async def deploy_model(self, req: m.DeployModel) -> m.ModelInfo:
-        async with self.sessions.begin() as s:
+        async with self.writes.begin() as s:
             row = await s.get(Model, req.name)
             if row is not None and row.state == "deployed":
                 raise ValueError(f"model {req.name!r} is already deployed")
@@ -166,7 +167,7 @@ class RegistryStore:
             return await _models(s, include_deleted)
 
     async def delete_model(self, name: str) -> m.ModelInfo | None:
-        async with self.sessions.begin() as s:
+        async with self.writes.begin() as s:
             row = await s.get(Model, name)
             if row is None or row.state == "deleted":
                 return None
@@ -176,7 +177,7 @@ class RegistryStore:
     # --- replicas ------------------------------------------------------------------------------
 
     async def record_block(self, ev: m.BlockEvent) -> None:
-        async with self.sessions.begin() as s:
+        async with self.writes.begin() as s:
             if await s.get(Worker, ev.worker_id) is None:
                 return  # a block report from a worker we never saw: ignore until it registers
             existing = await s.scalar(
@@ -205,7 +206,7 @@ class RegistryStore:
     # --- instances --------------------------------------------------------------------------------
 
     async def create_instance(self, req: m.CreateInstance) -> m.InstanceInfo:
-        async with self.sessions.begin() as s:
+        async with self.writes.begin() as s:
             row = Instance(
                 instance_id=req.instance_id,
                 model=req.model,
@@ -221,7 +222,7 @@ class RegistryStore:
 
     async def record_instance(self, info: m.InstanceInfo) -> None:
         """Apply an instance event; stopped/failed is final and never revived."""
-        async with self.sessions.begin() as s:
+        async with self.writes.begin() as s:
             row = await s.get(Instance, info.instance_id)
             if row is None:
                 row = Instance(instance_id=info.instance_id, model=info.model, mode=info.mode,
@@ -246,7 +247,7 @@ class RegistryStore:
 
     async def stop_instances_on(self, worker_ids: list[str]) -> list[m.InstanceInfo]:
         """Instances with a stage on a dead worker are gone: mark them failed."""
-        async with self.sessions.begin() as s:
+        async with self.writes.begin() as s:
             rows = (
                 await s.scalars(select(Instance).where(Instance.state.in_(("loading", "ready", "draining"))))
             ).all()
@@ -264,7 +265,7 @@ class RegistryStore:
     async def record_scale_op(self, op: m.ScaleOpInfo) -> m.ScaleOpInfo:
         """Create or update; timings are merged so several reporters can add events."""
         now = to_dt(time.time())
-        async with self.sessions.begin() as s:
+        async with self.writes.begin() as s:
             # Row lock: the planner and the registry's event handlers merge timings into the same
             # row concurrently; without it one read-modify-write loses the other's events.
             row = await s.get(ScaleOperation, op.scale_op_id, with_for_update=True)
@@ -285,7 +286,7 @@ class RegistryStore:
     async def add_scale_op_timings(self, scale_op_id: str, events: dict[str, float]) -> None:
         """Add events to an operation's timings; an event already there keeps the earlier time
         (several reporters stamp first_byte: the first one is the operation's)."""
-        async with self.sessions.begin() as s:
+        async with self.writes.begin() as s:
             row = await s.get(ScaleOperation, scale_op_id, with_for_update=True)
             if row is not None:
                 timings = dict(row.timings or {})
