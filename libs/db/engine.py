@@ -58,8 +58,11 @@ WRITE_LOCK = "layercast_write_lock"
 
 
 def make_engine(url: str) -> AsyncEngine:
-    engine = create_async_engine(async_url(url), pool_pre_ping=True)
-    if url.startswith("sqlite"):
+    sqlite = url.startswith("sqlite")
+    # Postgres connections can drop (a restart, a proxy's idle timeout): check each at checkout.
+    # A SQLite file cannot, and the check would cost every registry call a round trip.
+    engine = create_async_engine(async_url(url), pool_pre_ping=not sqlite)
+    if sqlite:
         # SQLite: enforce foreign keys and let readers proceed during writes.
         @event.listens_for(engine.sync_engine, "connect")
         def _pragmas(dbapi_conn, _record):  # noqa: ANN001
