@@ -223,7 +223,8 @@ class RegistryStore:
     async def record_instance(self, info: m.InstanceInfo) -> None:
         """Apply an instance event; stopped/failed is final and never revived."""
         async with self.writes.begin() as s:
-            row = await s.get(Instance, info.instance_id)
+            # Row lock: the worker's and the planner's events for one instance can arrive together.
+            row = await s.get(Instance, info.instance_id, with_for_update=True)
             if row is None:
                 row = Instance(instance_id=info.instance_id, model=info.model, mode=info.mode,
                                stages=[st.model_dump() for st in info.stages], scale_op_id=info.scale_op_id,
