@@ -160,18 +160,21 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
                                                   "(default 3, lambdaScale); 0: bounded by bytes only.")
        ) -> None:
     """Start a dev cluster: NATS, database, the five services and N workers."""
-    state_dir = state_dir.resolve()
-    if emulate:
-        from services.cli.emulation import can_emulate
+    from services.cli.emulation import can_emulate, requested_profile
 
+    state_dir = state_dir.resolve()
+    try:
+        profile = requested_profile(emulate, link_mbit=link_mbit, disk_read_mbit=disk_mbit,
+                                    host_to_device_mbit=host_to_device_mbit, cpu_quota=cpu_quota,
+                                    host_cache_models=host_cache_models)
+    except ValueError as e:
+        _fail(str(e))
+    if emulate:
         ok, why = can_emulate()
         if not ok:
             _fail(f"--emulate needs root, iproute2 and network namespaces: {why}")
         if detach:
             _fail("--emulate runs in the foreground: the emulated network lives as long as this command")
-    elif any(v is not None for v in (link_mbit, disk_mbit, host_to_device_mbit, cpu_quota, host_cache_models)):
-        _fail("--link-mbit, --disk-mbit, --host-to-device-mbit, --cpu-quota and --host-cache-models only apply "
-              "with --emulate")
     try:
         existing = ClusterState.load(state_dir)
         if any(p["alive"] for p in cluster_status(state_dir)["processes"]):
@@ -183,13 +186,10 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
                        namespace=os.environ.get("LAYERCAST_NAMESPACE", "layercast"), torch_threads=torch_threads)
     with ExitStack() as stack:
         emulation = None
-        if emulate:
-            from services.cli.emulation import DEFAULT_PROFILE, EmulatedCluster, EmulationError
+        if profile is not None:
+            from services.cli.emulation import EmulatedCluster, EmulationError
 
             try:
-                profile = DEFAULT_PROFILE.with_overrides(link_mbit=link_mbit, disk_read_mbit=disk_mbit,
-                                                         host_to_device_mbit=host_to_device_mbit,
-                                                         cpu_quota=cpu_quota, host_cache_models=host_cache_models)
                 # Disk caps apply to the disk holding the state dir: the demo checkpoints live there.
                 state_dir.mkdir(parents=True, exist_ok=True)
                 emulation = stack.enter_context(EmulatedCluster.from_profile(workers, profile, disk_path=state_dir))

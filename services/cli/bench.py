@@ -271,19 +271,19 @@ def _emulation_profile(emulate: bool, link_mbit: float | None, disk_mbit: float 
                        host_to_device_mbit: float | None, cpu_quota: float | None,
                        host_cache_models: int | None = None):
     """The default emulated cluster profile with the command's overrides (None: not emulated)."""
-    if not emulate:
-        if any(v is not None for v in (link_mbit, disk_mbit, host_to_device_mbit, cpu_quota, host_cache_models)):
-            raise typer.BadParameter("--link-mbit, --disk-mbit, --host-to-device-mbit, --cpu-quota and "
-                                     "--host-cache-models need --emulate")
-        return None
-    from services.cli.emulation import DEFAULT_PROFILE, can_emulate
+    from services.cli.emulation import can_emulate, requested_profile
 
-    ok, why = can_emulate()
-    if not ok:
-        raise typer.BadParameter(f"cannot emulate a cluster here: {why}")
-    return DEFAULT_PROFILE.with_overrides(link_mbit=link_mbit, disk_read_mbit=disk_mbit,
-                                          host_to_device_mbit=host_to_device_mbit, cpu_quota=cpu_quota,
-                                          host_cache_models=host_cache_models)
+    try:
+        profile = requested_profile(emulate, link_mbit=link_mbit, disk_read_mbit=disk_mbit,
+                                    host_to_device_mbit=host_to_device_mbit, cpu_quota=cpu_quota,
+                                    host_cache_models=host_cache_models)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if profile is not None:
+        ok, why = can_emulate()
+        if not ok:
+            raise typer.BadParameter(f"cannot emulate a cluster here: {why}")
+    return profile
 
 
 @bench_app.command("trace")

@@ -113,6 +113,22 @@ class EmulationProfile:
 
 DEFAULT_PROFILE = EmulationProfile()
 
+# The profile's command-line flags (`up --emulate`, `bench scale`, `bench trace`).
+PROFILE_FLAGS = {"link_mbit": "--link-mbit", "disk_read_mbit": "--disk-mbit",
+                 "host_to_device_mbit": "--host-to-device-mbit", "cpu_quota": "--cpu-quota",
+                 "host_cache_models": "--host-cache-models"}
+
+
+def requested_profile(emulate: bool, **overrides: float | None) -> EmulationProfile | None:
+    """The default profile with a command's overrides (None keeps a value, 0 uncaps it); None
+    when not emulating. ValueError: an override without --emulate, or a bad value."""
+    if not emulate:
+        given = [PROFILE_FLAGS[k] for k, v in overrides.items() if v is not None]
+        if given:
+            raise ValueError(f"emulation flags only apply with --emulate (given: {', '.join(given)})")
+        return None
+    return DEFAULT_PROFILE.with_overrides(**overrides)
+
 
 @dataclass(frozen=True)
 class EmulatedNode:

@@ -22,7 +22,7 @@ class Service:
 
     def __init__(self, nats_url: str | None = None):
         self.broker = make_broker(nats_url)
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()
         self._started = False
 
     def background(self) -> list[Coroutine]:
@@ -31,12 +31,20 @@ class Service:
 
     async def start(self) -> None:
         await start_broker(self.broker)
-        self._tasks = [asyncio.create_task(loop) for loop in self.background()]
+        for loop in self.background():
+            self.spawn(loop)
         self._started = True
+
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
+        """Run `coro` beside the service: referenced until it ends, cancelled when the service stops."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def stop(self) -> None:
         self._started = False
-        for t in self._tasks:
+        for t in list(self._tasks):
             t.cancel()
         await self.broker.stop()
 

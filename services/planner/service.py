@@ -63,7 +63,6 @@ class PlannerService(Service):
         self._waiting: dict[str, str] = {}  # instance_id -> scale_op_id
         self._load: dict[str, int] = {}  # worker_id -> running requests (worker metrics)
         self._pool_fills: dict[tuple[str, str], float] = {}  # (model, worker) -> when a fill was sent
-        self._background: set[asyncio.Task] = set()  # fire-and-forget commands, referenced until done
         self._subscribe()
 
     async def reconcile(self, req: m.ScaleRequest) -> m.ScaleOpInfo | None:
@@ -198,9 +197,7 @@ class PlannerService(Service):
             op.timings.pop("first_send", None)
             cancel = m.CancelTransfer(transfer_id=transfer_id, reason=f"{','.join(refused)} refused their parts")
             # In the background: a silent worker must not hold up the targets' own loads.
-            task = asyncio.create_task(self._cancel_parts(op, [w for w in parts if w not in refused], cancel))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self.spawn(self._cancel_parts(op, [w for w in parts if w not in refused], cancel))
             return None
         log.info("scale-up %s: %s k=%d from %s to %s", op.scale_op_id, plan.algorithm, plan.k,
                  ",".join(sources[: plan.k]), ",".join(receivers))

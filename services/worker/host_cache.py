@@ -66,8 +66,11 @@ class HostBlockCache:
         return list(self._blocks)
 
     def models(self) -> list[str]:
-        """Models with a block here, least recently used first."""
-        return list(dict.fromkeys(reversed([model for model, _ in self._blocks])))[::-1]
+        """Models with a block here, least recently used first (a model is as recent as its newest block)."""
+        newest: dict[str, int] = {}
+        for position, (model, _) in enumerate(self._blocks):
+            newest[model] = position
+        return sorted(newest, key=newest.__getitem__)
 
     def _evict(self) -> list[BlockKey]:
         evicted: list[BlockKey] = []

@@ -265,9 +265,9 @@ class WorkerService(Service):
                 await asyncio.sleep(0.5)
         self._registered = True
         log.info("worker %s registered", self.config.worker_id)
-        self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+        self.spawn(self._heartbeat_loop())
         # Beside the first commands, not before registering: a cluster comes up no later for it.
-        self._tasks.append(asyncio.create_task(self._warm_up()))
+        self.spawn(self._warm_up())
 
     async def _warm_up(self) -> None:
         """transformers' first-use costs paid now, not by the first instance (libs/engine warm_up)."""
@@ -562,8 +562,7 @@ class WorkerService(Service):
             await self._block_event(key[0], key[1], m.Tier.gpu, m.ReplicaState.evicted)
             await self._report_evicted(self.cache.unpin(key))
         if host_keep_alive_s is not None:
-            task = asyncio.create_task(self._expire_after(released, host_keep_alive_s))
-            self._tasks.append(task)
+            self.spawn(self._expire_after(released, host_keep_alive_s))
         info = inst.info.model_copy(update={"state": m.InstanceState.stopped})
         await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=reason))
         log.info("instance %s stopped (%s)", inst.info.instance_id, reason)
