@@ -258,3 +258,55 @@ async def test_instance_states_only_move_forward(database_url):
         assert (await state_after(state=m.InstanceState.ready)).state == m.InstanceState.stopped
     finally:
         await engine.dispose()
+
+
+async def test_changes_to_the_cluster_view_are_counted_and_announced(database_url, nats_url, client):
+    """The registry counts committed changes to workers, models, replicas and instances and
+    announces the count; a heartbeat that only moves the heartbeat time, a scale-op record and a
+    refused deploy are not changes. A view carries the count it was read at."""
+    announced: list[m.ClusterChanged] = []
+    sub = client.subscriber(subjects.EVENT_CLUSTER_CHANGED)
+
+    @sub
+    async def on_changed(body: dict) -> None:
+        announced.append(m.ClusterChanged.model_validate(body))
+
+    await sub.start()
+    reg = await started(database_url, nats_url)
+    try:
+        store = reg.store
+
+        async def counted(write) -> int:
+            before = store.changes
+            await write
+            return store.changes - before
+
+        assert await counted(store.upsert_worker(registration("w1"))) == 1  # a new worker
+        assert await counted(store.upsert_worker(m.Heartbeat(**registration("w1").model_dump()))) == 0
+        moved = registration("w1").model_copy(update={"data_address": "127.0.0.1:7001"})
+        assert await counted(store.upsert_worker(moved)) == 1  # re-registered elsewhere
+        assert await counted(store.deploy_model(deployment())) == 1
+        with pytest.raises(ValueError):
+            await store.deploy_model(deployment())  # already deployed: rolled back, not counted
+        assert store.changes == 3
+        assert await counted(store.record_block(m.BlockEvent(
+            worker_id="w1", model="demo", block_id=0, tier=m.Tier.host, state=m.ReplicaState.ready))) == 1
+        assert await counted(store.create_instance(m.CreateInstance(
+            instance_id="i-1", model="demo", stages=[m.Stage(worker_id="w1", block_start=0, block_end=2)]))) == 1
+        op = m.RecordScaleOp(scale_op_id="op-1", model="demo", direction="up", reason="test", from_instances=0,
+                             to_instances=1, state="running")
+        assert await counted(store.record_scale_op(op)) == 0
+        assert await counted(store.expire_workers(time.time() - 60)) == 0  # nobody is that late
+
+        view = await store.cluster_view()
+        assert (view.epoch, view.changes) == (store.epoch, 5)
+        deadline = time.monotonic() + 5
+        while not (announced and announced[-1].changes == 5) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert announced and announced[-1] == m.ClusterChanged(epoch=store.epoch, changes=5)
+        assert [a.changes for a in announced] == sorted(a.changes for a in announced)
+
+        view = await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
+        assert (view.epoch, view.changes) == (store.epoch, 5)
+    finally:
+        await reg.stop()

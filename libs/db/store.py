@@ -1,6 +1,9 @@
 """The registry's queries and updates, translating between rows and protocol messages."""
 
 import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
 from sqlalchemy import delete, select
@@ -86,9 +89,27 @@ def _scale_op_info(row: ScaleOperation) -> m.ScaleOpInfo:
 
 
 class RegistryStore:
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, on_change: Callable[[], None] | None = None):
         self.sessions = make_sessionmaker(engine)  # reads
         self.writes = write_sessionmaker(engine)
+        # Committed changes to what cluster_view shows (workers, models, replicas, instances),
+        # counted by this process: a view read after the count was n holds at least n changes.
+        self.epoch = uuid.uuid4().hex[:12]
+        self.changes = 0
+        self.on_change = on_change  # called after each counted commit
+
+    def _counted(self) -> None:
+        self.changes += 1
+        if self.on_change is not None:
+            self.on_change()
+
+    @asynccontextmanager
+    async def _changing(self) -> AsyncIterator[AsyncSession]:
+        """A write session that changes the cluster view: counted once it commits (a rolled back
+        one is not)."""
+        async with self.writes.begin() as s:
+            yield s
+        self._counted()
 
     # --- workers -------------------------------------------------------------------
 
@@ -96,9 +117,12 @@ class RegistryStore:
         now_dt = to_dt(now or time.time())
         async with self.writes.begin() as s:
             w = await s.get(Worker, reg.worker_id)
+            before = None
             if w is None:
                 w = Worker(worker_id=reg.worker_id, registered_at=now_dt)
                 s.add(w)
+            else:
+                before = _worker_info(w).model_copy(update={"last_heartbeat": 0.0})
             w.data_address = reg.data_address
             w.host, w.leaf = reg.topology.host, reg.topology.leaf
             w.scaleup_group, w.link_gbps = reg.topology.scaleup_group, reg.topology.link_gbps
@@ -107,12 +131,17 @@ class RegistryStore:
             w.state = "alive"
             w.last_heartbeat = now_dt
             await s.flush()
-            return _worker_info(w)
+            info = _worker_info(w)
+        # A heartbeat that only moves the heartbeat time is not a change (it would make every
+        # cached view stale once a second per worker).
+        if before != info.model_copy(update={"last_heartbeat": 0.0}):
+            self._counted()
+        return info
 
     async def expire_workers(self, older_than: float) -> list[m.WorkerInfo]:
         """Mark workers whose last heartbeat is older than `older_than` dead, drop
         their replicas and stop their instances. Returns the newly dead workers."""
-        async with self.writes.begin() as s:
+        async with self.writes.begin() as s:  # runs every second: counted only when someone died
             rows = (
                 await s.scalars(
                     select(Worker).where(Worker.state == "alive", Worker.last_heartbeat < to_dt(older_than))
@@ -124,7 +153,9 @@ class RegistryStore:
             for w in rows:
                 w.state = "dead"
             await s.execute(delete(BlockReplica).where(BlockReplica.worker_id.in_(dead)))
-            return [_worker_info(w) for w in rows]
+            infos = [_worker_info(w) for w in rows]
+        self._counted()
+        return infos
 
     async def list_workers(self, include_dead: bool = False) -> list[m.WorkerInfo]:
         async with self.sessions() as s:
@@ -133,7 +164,7 @@ class RegistryStore:
     # --- models ---------------------------------------------------------------------------
 
     async def deploy_model(self, req: m.DeployModel) -> m.ModelInfo:
-        async with self.writes.begin() as s:
+        async with self._changing() as s:
             row = await s.get(Model, req.name)
             if row is not None and row.state == "deployed":
                 raise ValueError(f"model {req.name!r} is already deployed")
@@ -167,7 +198,7 @@ class RegistryStore:
             return await _models(s, include_deleted)
 
     async def delete_model(self, name: str) -> m.ModelInfo | None:
-        async with self.writes.begin() as s:
+        async with self._changing() as s:
             row = await s.get(Model, name)
             if row is None or row.state == "deleted":
                 return None
@@ -177,7 +208,7 @@ class RegistryStore:
     # --- replicas ------------------------------------------------------------------------------
 
     async def record_block(self, ev: m.BlockEvent) -> None:
-        async with self.writes.begin() as s:
+        async with self._changing() as s:
             if await s.get(Worker, ev.worker_id) is None:
                 return  # a block report from a worker we never saw: ignore until it registers
             existing = await s.scalar(
@@ -206,7 +237,7 @@ class RegistryStore:
     # --- instances --------------------------------------------------------------------------------
 
     async def create_instance(self, req: m.CreateInstance) -> m.InstanceInfo:
-        async with self.writes.begin() as s:
+        async with self._changing() as s:
             row = Instance(
                 instance_id=req.instance_id,
                 model=req.model,
@@ -222,7 +253,7 @@ class RegistryStore:
 
     async def record_instance(self, info: m.InstanceInfo) -> None:
         """Apply an instance event; stopped/failed is final and never revived."""
-        async with self.writes.begin() as s:
+        async with self._changing() as s:
             # Row lock: the worker's and the planner's events for one instance can arrive together.
             row = await s.get(Instance, info.instance_id, with_for_update=True)
             if row is None:
@@ -248,7 +279,7 @@ class RegistryStore:
 
     async def stop_instances_on(self, worker_ids: list[str]) -> list[m.InstanceInfo]:
         """Instances with a stage on a dead worker are gone: mark them failed."""
-        async with self.writes.begin() as s:
+        async with self._changing() as s:
             rows = (
                 await s.scalars(select(Instance).where(Instance.state.in_(("loading", "ready", "draining"))))
             ).all()
@@ -302,10 +333,12 @@ class RegistryStore:
     async def cluster_view(self, include_dead: bool = False, recent_scale_ops: int = 20) -> m.ClusterView:
         """Everything a planner decides on, read in one session: a scale decision waits on this,
         and one connection checkout instead of five keeps it short."""
+        changes = self.changes  # before the read: the snapshot holds at least these
         async with self.sessions() as s:
             return m.ClusterView(workers=await _workers(s, include_dead), models=await _models(s),
                                  replicas=await _replicas(s), instances=await _instances(s),
-                                 scale_ops=await _recent_scale_ops(s, recent_scale_ops))
+                                 scale_ops=await _recent_scale_ops(s, recent_scale_ops),
+                                 epoch=self.epoch, changes=changes)
 
 
 # --- reads shared by the list methods and cluster_view (one session each call) ---------------

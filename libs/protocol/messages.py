@@ -249,6 +249,19 @@ class ClusterView(Message):
     replicas: list[ReplicaInfo]
     instances: list[InstanceInfo]
     scale_ops: list[ScaleOpInfo]
+    # The registry's change count when the view was read (see ClusterChanged): the view holds at
+    # least every change up to it. `epoch` names the registry process that counted.
+    epoch: str = ""
+    changes: int = Field(default=0, ge=0)
+
+
+class ClusterChanged(Message):
+    """Registry -> planner: workers, models, replicas or instances changed (scale-op records and
+    heartbeat times are not counted). A ClusterView with the same epoch and at least these
+    changes is current; a planner keeps one between decisions instead of asking each time."""
+
+    epoch: str
+    changes: int = Field(ge=0)
 
 
 # --- worker commands --------------------------------------------------------------------------

@@ -53,6 +53,8 @@ EVENT_MODEL = f"{PREFIX}.events.model"
 EVENT_INSTANCE = f"{PREFIX}.events.instance"
 # EVENT BlockEvent (worker -> registry, planner): a block replica changed tier/state
 EVENT_BLOCK = f"{PREFIX}.events.block"
+# EVENT ClusterChanged (registry -> planner): the cluster view moved on (a change count)
+EVENT_CLUSTER_CHANGED = f"{PREFIX}.events.cluster.changed"
 # EVENT TransferReport (worker -> planner, benchmarks): a worker's part of a multicast ended
 EVENT_TRANSFER = f"{PREFIX}.events.transfer"
 

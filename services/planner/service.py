@@ -1,10 +1,11 @@
 """Planner: turns scale requests into scale operations.
 
 A ScaleRequest names the desired number of instances; the planner reconciles
-against the registry's view (one operation at a time per model), picks
-targets or victims with the pure functions of libs.planning.placement, records
-the operation in the registry, commands the workers, and follows their
-instance events to close the operation.
+against the registry's view (one operation at a time per model; the view is
+kept between decisions while it is current, see views.py), picks targets or
+victims with the pure functions of libs.planning.placement, records the
+operation in the registry, commands the workers, and follows their instance
+events to close the operation.
 """
 
 import asyncio
@@ -26,6 +27,7 @@ from libs.protocol.plans import ensure_plan_stream, send_part
 from libs.telemetry import tracer
 from services.common.runner import Service
 from services.common.transfer_parts import gather_parts, transfer_parts
+from services.planner.views import ClusterViewCache
 
 log = logging.getLogger(__name__)
 _tracer = tracer("planner")
@@ -63,13 +65,17 @@ class PlannerService(Service):
         self._waiting: dict[str, str] = {}  # instance_id -> scale_op_id
         self._load: dict[str, int] = {}  # worker_id -> running requests (worker metrics)
         self._pool_fills: dict[tuple[str, str], float] = {}  # (model, worker) -> when a fill was sent
+        self.views = ClusterViewCache(self._read_cluster)
         self._subscribe()
+
+    async def _read_cluster(self) -> m.ClusterView:
+        return await call(self.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0), m.ClusterView)
 
     async def reconcile(self, req: m.ScaleRequest) -> m.ScaleOpInfo | None:
         """Bring the model to `req.desired_instances`; returns the operation started, if any."""
+        received = time.time()
         async with self._locks[req.model]:
-            view = await call(self.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0),
-                              m.ClusterView)
+            view = await self.views.get()
             viewed = time.time()
             model = next((x for x in view.models if x.name == req.model), None)
             desired = req.desired_instances
@@ -80,11 +86,17 @@ class PlannerService(Service):
             else:
                 desired = max(model.min_instances, min(desired, model.max_instances))
             live = [i for i in view.instances if i.model == req.model and i.state in LIVE]
-            if desired > len(live) and model is not None:
-                return await self._scale_up(model, view, live, desired, req, viewed)
-            if desired < len(live):
-                keep_alive = self.serverlessllm_keep_alive_s if model and model.scaling_mode == "serverlessllm" else None
-                return await self._scale_down(req.model, live, desired, req, keep_alive)
+            try:
+                if desired > len(live) and model is not None:
+                    return await self._scale_up(model, view, live, desired, req,
+                                                {"received": received, "viewed": viewed})
+                if desired < len(live):
+                    keep_alive = (self.serverlessllm_keep_alive_s if model and model.scaling_mode == "serverlessllm"
+                                  else None)
+                    return await self._scale_down(req.model, live, desired, req, keep_alive)
+            finally:
+                # Its instances are in the registry before the registry's announcement reaches us.
+                self.views.mark_stale()
             return None
 
     async def _record(self, op: m.ScaleOpInfo) -> None:
@@ -95,7 +107,7 @@ class PlannerService(Service):
             log.warning("could not record scale op %s: %s", op.scale_op_id, e)
 
     async def _scale_up(self, model: m.ModelInfo, view: m.ClusterView, live: list[m.InstanceInfo], desired: int,
-                        req: m.ScaleRequest, viewed: float) -> m.ScaleOpInfo | None:
+                        req: m.ScaleRequest, stamps: dict[str, float]) -> m.ScaleOpInfo | None:
         busy = {s.worker_id for i in live for s in i.stages}
         per_worker = defaultdict(int)
         for i in view.instances:
@@ -121,8 +133,7 @@ class PlannerService(Service):
                              len(model.blocks), link_gbps) if link_gbps else None
         op = m.ScaleOpInfo(scale_op_id=f"op-{uuid.uuid4().hex[:12]}", model=model.name, direction="up",
                            reason=req.reason, from_instances=len(live), to_instances=len(live) + len(targets),
-                           state="running", timings={"decided": req.sent_at, "viewed": viewed,
-                                                     "planned": time.time()},
+                           state="running", timings={"decided": req.sent_at, **stamps, "planned": time.time()},
                            plan={"kind": "multicast" if plan else "local-load", "mode": model.scaling_mode,
                                  "targets": targets, "blocks": [0, len(model.blocks)]})
         if plan:
@@ -360,7 +371,7 @@ class PlannerService(Service):
 
     # --- the parameter pool -----------------------------------------------------------------------
     def background(self):
-        return [self._pool_loop()]
+        return [self._pool_loop(), self.views.keep_current()]
 
     async def _pool_loop(self) -> None:
         while True:
@@ -373,7 +384,7 @@ class PlannerService(Service):
     async def check_pool(self, only_model: str | None = None) -> None:
         """Keep every model's complete host copy (BlitzScale §5.3): restore it where a worker's
         loss or an eviction broke it. An `ideal` deployment's copy is on every worker instead."""
-        view = await call(self.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0), m.ClusterView)
+        view = await self.views.get()
         alive = {w.worker_id: w for w in view.workers if w.state == "alive"}
         sizes = {(x.name, b.block_id): b.nbytes for x in view.models for b in x.blocks}
         used: dict[str, int] = defaultdict(int)
@@ -422,7 +433,7 @@ class PlannerService(Service):
 
     async def _release_pool(self, model: m.ModelInfo) -> None:
         """A deleted model's pool copy may leave the host tiers (workers release only what they keep)."""
-        view = await call(self.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0), m.ClusterView)
+        view = await self.views.get()
         self._pool_fills = {k: t for k, t in self._pool_fills.items() if k[0] != model.name}
         release = m.ReleaseBlocks(model=model.name, blocks=[b.block_id for b in model.blocks])
         for w in view.workers:
@@ -440,6 +451,7 @@ class PlannerService(Service):
         @b.subscriber(subjects.EVENT_INSTANCE)
         @on_event(m.InstanceEvent)
         async def instance(ev: m.InstanceEvent) -> None:
+            self.views.mark_stale()
             inst = ev.instance
             op_id = self._waiting.get(inst.instance_id)
             if op_id is None or inst.state == m.InstanceState.loading:
@@ -477,12 +489,14 @@ class PlannerService(Service):
         @b.subscriber(subjects.EVENT_WORKER_EXPIRED)
         @on_event(m.WorkerExpired)
         async def worker_expired(ev: m.WorkerExpired) -> None:
+            self.views.mark_stale()
             self._load.pop(ev.worker_id, None)
             await self.check_pool()
 
         @b.subscriber(subjects.EVENT_MODEL)
         @on_event(m.ModelEvent)
         async def model(ev: m.ModelEvent) -> None:
+            self.views.mark_stale()
             if ev.kind == "deleted":
                 await self.reconcile(m.ScaleRequest(model=ev.model.name, desired_instances=0,
                                                     reason="model deleted"))
@@ -492,6 +506,11 @@ class PlannerService(Service):
                 await self.reconcile(m.ScaleRequest(model=ev.model.name, desired_instances=ev.model.min_instances,
                                                     reason="min_instances at deploy"))
             await self.check_pool(ev.model.name)
+
+        @b.subscriber(subjects.EVENT_CLUSTER_CHANGED)
+        @on_event(m.ClusterChanged)
+        async def cluster_changed(ev: m.ClusterChanged) -> None:
+            self.views.announced(ev)
 
         @b.subscriber(subjects.METRICS_WORKER)
         @on_event(m.WorkerMetrics)

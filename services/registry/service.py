@@ -30,16 +30,17 @@ class RegistryService(Service):
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.engine = None
         self.store: RegistryStore | None = None
+        self._changed = asyncio.Event()  # the store counted a change not yet announced
         self._subscribe()
 
     def background(self) -> list:
-        return [self._expire_loop()]
+        return [self._expire_loop(), self._announce_loop()]
 
     async def start(self) -> None:
         # Alembic is synchronous; run it off the event loop.
         await asyncio.to_thread(migrate, self.database_url)
         self.engine = make_engine(self.database_url)
-        self.store = RegistryStore(self.engine)
+        self.store = RegistryStore(self.engine, on_change=self._changed.set)
         await super().start()
         log.info("registry ready (database migrated)")
 
@@ -56,6 +57,18 @@ class RegistryService(Service):
                 await self.update_gauges()
             except Exception:
                 log.exception("heartbeat expiry pass failed")
+
+    async def _announce_loop(self) -> None:
+        """Publish the change count after changes (several at once go out as one): planners
+        keep their cluster view until it is behind this count."""
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            try:
+                await publish(self.broker, subjects.EVENT_CLUSTER_CHANGED,
+                              m.ClusterChanged(epoch=self.store.epoch, changes=self.store.changes))
+            except Exception:
+                log.exception("announcing a cluster change failed")
 
     async def update_gauges(self) -> None:
         WORKERS.set(len(await self.store.list_workers()))
