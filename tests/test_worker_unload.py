@@ -57,3 +57,49 @@ async def test_unloading_a_loading_instance_stops_its_load(database_url, nats_ur
         await sub.stop()
         await worker.stop()
         await reg.stop()
+
+
+async def test_a_stop_the_world_load_serves_only_once_every_block_is_loaded(database_url, nats_url, client,  # noqa: F811
+                                                                             tiny_checkpoint):
+    """By default an instance serves from its first block on; a LoadModel that says
+    stop-the-world (the serverlessllm baseline's) is ready only after its last block."""
+    index = CheckpointIndex.load(tiny_checkpoint)
+    total = sum(index.block(b).nbytes for b in range(index.n_blocks))
+    ready: dict[str, m.InstanceEvent] = {}
+    loaded: dict[str, float] = {}
+
+    sub = client.subscriber(subjects.EVENT_INSTANCE)
+
+    @sub
+    async def seen(body: dict) -> None:
+        ev = m.InstanceEvent.model_validate(body)
+        if ev.instance.state == m.InstanceState.ready and ev.instance.instance_id not in ready:
+            ready[ev.instance.instance_id] = ev
+        if ev.instance.loaded_at is not None:
+            loaded.setdefault(ev.instance.instance_id, ev.instance.loaded_at)
+
+    await sub.start()
+    reg = await started(database_url, nats_url)
+    worker = WorkerService(WorkerConfig(worker_id="w-stw", kv_cache_bytes=8 << 20,
+                                        emulated_host_to_device_mbit=total * 8 / 1e6 / 2.0), nats_url)
+    await worker.start()
+    try:
+        command = subjects.worker_command("w-stw")
+        for iid, serve in (("i-early", True), ("i-stw", False)):
+            load = m.LoadModel(instance_id=iid, model="demo", path=str(tiny_checkpoint), block_start=0,
+                               block_end=index.n_blocks, serve_while_loading=serve)
+            assert (await call(client, command, load, m.CommandAck)).accepted
+            for _ in range(100):
+                if iid in loaded and iid in ready:
+                    break
+                await asyncio.sleep(0.1)
+            assert iid in loaded and iid in ready, (iid, ready, loaded)
+            await call(client, command, m.UnloadModel(instance_id=iid), m.CommandAck)
+        assert ready["i-early"].reason == "serving, rest loading"
+        assert ready["i-early"].instance.ready_at < loaded["i-early"] - 0.3  # the paced last block came later
+        assert ready["i-stw"].reason == "loaded"
+        assert ready["i-stw"].instance.ready_at <= loaded["i-stw"]
+    finally:
+        await sub.stop()
+        await worker.stop()
+        await reg.stop()

@@ -284,6 +284,9 @@ class LoadModel(Message):
     # The `ideal` scaling mode's lower bound: the blocks count as already in engine memory, so
     # no host-to-device copy is paced (emulation) for them.
     preheld: bool = False
+    # Serve from the first block on (the forward pass waits for blocks still on their way);
+    # False: stop-the-world, ready only once every block is loaded (the serverlessllm baseline).
+    serve_while_loading: bool = True
 
 
 class FetchBlocks(Message):

@@ -32,7 +32,7 @@ def _fail(message: str) -> None:
 
 
 @model_app.command("create-demo")
-def create_demo(out_dir: Path, preset: str = typer.Option("tiny", help="tiny | small | 100m | 200m"),
+def create_demo(out_dir: Path, preset: str = typer.Option("tiny", help="tiny | small | small-40k | 100m | 200m"),
                 arch: str = typer.Option("llama", help="llama | qwen2"), seed: int = 0) -> None:
     """Write a random-weight Hugging Face checkpoint with a locally built tokenizer."""
     from libs.checkpoint import create_demo_checkpoint
@@ -139,7 +139,7 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
        admin_key: str = typer.Option("sk-layercast-admin", envvar="LAYERCAST_ADMIN_KEY"),
        state_dir: Path = StateDir,
        demo: bool = typer.Option(False, help="Build and deploy the demo model."),
-       demo_preset: str = typer.Option("small", help="tiny | small | 100m | 200m"),
+       demo_preset: str = typer.Option("small", help="tiny | small | small-40k | 100m | 200m"),
        demo_blocks: int = typer.Option(4, help="Blocks of the demo model."),
        detach: bool = typer.Option(False, help="Return once healthy; stop it with 'layercast down'."),
        torch_threads: int = typer.Option(1, help="Torch threads per worker."),

@@ -51,6 +51,13 @@ def _stage(load: m.LoadModel, worker_id: str) -> m.Stage:
     return m.Stage(worker_id=worker_id, block_start=load.block_start, block_end=load.block_end)
 
 
+def _load_command(model: m.ModelInfo, instance_id: str, block_start: int, block_end: int,
+                  scale_op_id: str) -> m.LoadModel:
+    return m.LoadModel(instance_id=instance_id, model=model.name, path=model.path, block_start=block_start,
+                       block_end=block_end, scale_op_id=scale_op_id, preheld=model.scaling_mode == "ideal",
+                       serve_while_loading=model.scaling_mode != "serverlessllm")  # its loads stop the world
+
+
 class PlannerService(Service):
     name = "planner"
 
@@ -151,9 +158,7 @@ class PlannerService(Service):
             recorded = asyncio.create_task(self._record(op))  # beside the transfers, not before them
             self._open_ops[op.scale_op_id] = op
             OPEN_OPS.set(len(self._open_ops))
-            loads = {w: m.LoadModel(instance_id=f"inst-{uuid.uuid4().hex[:12]}", model=model.name, path=model.path,
-                                    block_start=0, block_end=len(model.blocks), scale_op_id=op.scale_op_id,
-                                    preheld=model.scaling_mode == "ideal")
+            loads = {w: _load_command(model, f"inst-{uuid.uuid4().hex[:12]}", 0, len(model.blocks), op.scale_op_id)
                      for w in targets}
             for load in loads.values():
                 self._waiting[load.instance_id] = op.scale_op_id
@@ -362,9 +367,7 @@ class PlannerService(Service):
                         op.scale_op_id, len(pending))
             for inst in pending:
                 stage = inst.stages[0]
-                load = m.LoadModel(instance_id=inst.instance_id, model=op.model, path=model.path,
-                                   block_start=stage.block_start, block_end=stage.block_end,
-                                   scale_op_id=op.scale_op_id, preheld=model.scaling_mode == "ideal")
+                load = _load_command(model, inst.instance_id, stage.block_start, stage.block_end, op.scale_op_id)
                 await self._command_load(op, stage.worker_id, load, part_id=f"{inst.instance_id}:resume")
             await self._maybe_close(op.scale_op_id)
         return outcomes

@@ -343,7 +343,8 @@ class WorkerService(Service):
             await self._block_event(model, block_id, m.Tier.host, m.ReplicaState.evicted)
 
     async def _load(self, cmd: m.LoadModel, info: m.InstanceInfo) -> None:
-        """Load blocks nearest tier first; a full-model instance starts serving after its first block.
+        """Load blocks nearest tier first; a full-model instance starts serving after its first block
+        (after its last where the command says stop-the-world).
 
         Each block comes from the host tier, from a running transfer (`cmd.incoming_transfer`:
         the load waits for its blocks as they arrive, instead of waiting for the whole
@@ -433,7 +434,7 @@ class WorkerService(Service):
                                             device_buf.numel(), seconds, cmd.scale_op_id)
                     await self._block_event(cmd.model, b, m.Tier.host, m.ReplicaState.ready, host_buf.numel())
                     if building is not None and building.done() and not attached and \
-                            self.config.serve_while_loading:
+                            self.config.serve_while_loading and cmd.serve_while_loading:
                         await self._attach(building.result(), info, cmd, pinned, "serving, rest loading")
                         attached = True
                 for done in jobs:
