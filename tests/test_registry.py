@@ -38,6 +38,18 @@ async def client(nats_url):
     await broker.stop()
 
 
+async def collect(client, subject: str, kind: type[m.Message], into: list) -> object:
+    """Append every `kind` event on `subject` to `into`; returns the started subscriber (stop it)."""
+    sub = client.subscriber(subject)
+
+    @sub
+    async def on_event(body: dict) -> None:
+        into.append(kind.model_validate(body))
+
+    await sub.start()
+    return sub
+
+
 async def started(database_url: str, nats_url: str, ttl: float = 5.0) -> RegistryService:
     reg = RegistryService(database_url, nats_url, heartbeat_ttl_s=ttl)
     await reg.start()
@@ -77,13 +89,7 @@ async def test_state_survives_a_registry_restart(database_url, nats_url, client)
 async def test_heartbeats_keep_a_worker_alive_and_their_absence_expires_it(database_url, nats_url, client):
     reg = await started(database_url, nats_url, ttl=0.6)
     expired: list[m.WorkerExpired] = []
-    sub = client.subscriber(subjects.EVENT_WORKER_EXPIRED)
-
-    @sub
-    async def on_expired(body: dict) -> None:
-        expired.append(m.WorkerExpired.model_validate(body))
-
-    await sub.start()
+    sub = await collect(client, subjects.EVENT_WORKER_EXPIRED, m.WorkerExpired, expired)
     try:
         await call(client, subjects.REGISTRY_WORKER_REGISTER, registration("w1"), m.WorkerInfo)
         await call(client, subjects.REGISTRY_WORKER_REGISTER, registration("w2"), m.WorkerInfo)
@@ -265,13 +271,7 @@ async def test_changes_to_the_cluster_view_are_counted_and_announced(database_ur
     announces the count; a heartbeat that only moves the heartbeat time, a scale-op record and a
     refused deploy are not changes. A view carries the count it was read at."""
     announced: list[m.ClusterChanged] = []
-    sub = client.subscriber(subjects.EVENT_CLUSTER_CHANGED)
-
-    @sub
-    async def on_changed(body: dict) -> None:
-        announced.append(m.ClusterChanged.model_validate(body))
-
-    await sub.start()
+    sub = await collect(client, subjects.EVENT_CLUSTER_CHANGED, m.ClusterChanged, announced)
     reg = await started(database_url, nats_url)
     try:
         store = reg.store
@@ -309,4 +309,5 @@ async def test_changes_to_the_cluster_view_are_counted_and_announced(database_ur
         view = await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
         assert (view.epoch, view.changes) == (store.epoch, 5)
     finally:
+        await sub.stop()
         await reg.stop()

@@ -8,25 +8,20 @@ from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import call
 from services.worker.service import WorkerConfig, WorkerService
-from test_registry import client, started  # noqa: F401 - the client fixture
+from test_registry import client, collect, started  # noqa: F401 - the client fixture
 
 LOAD_S = 4.0  # the paced load's length: long enough to be stopped in the middle
+
+
+def of_instance(events: list[m.InstanceEvent], instance_id: str) -> list[m.InstanceEvent]:
+    return [ev for ev in events if ev.instance.instance_id == instance_id]
 
 
 async def test_unloading_a_loading_instance_stops_its_load(database_url, nats_url, client, tiny_checkpoint):  # noqa: F811
     index = CheckpointIndex.load(tiny_checkpoint)
     total = sum(index.block(b).nbytes for b in range(index.n_blocks))
-    events: list[m.InstanceEvent] = []
-
-    sub = client.subscriber(subjects.EVENT_INSTANCE)
-
-    @sub
-    async def seen(body: dict) -> None:
-        ev = m.InstanceEvent.model_validate(body)
-        if ev.instance.instance_id == "i-cut":
-            events.append(ev)
-
-    await sub.start()
+    seen: list[m.InstanceEvent] = []
+    sub = await collect(client, subjects.EVENT_INSTANCE, m.InstanceEvent, seen)
     reg = await started(database_url, nats_url)
     worker = WorkerService(WorkerConfig(
         worker_id="w-cut", serve_while_loading=False, kv_cache_bytes=8 << 20,
@@ -41,11 +36,11 @@ async def test_unloading_a_loading_instance_stops_its_load(database_url, nats_ur
         ack = await call(client, command, m.UnloadModel(instance_id="i-cut"), m.CommandAck)
         assert ack.accepted and ack.detail == "load cancelled"
         for _ in range(int(LOAD_S * 20)):
-            if any(ev.instance.state == m.InstanceState.stopped for ev in events):
+            if any(ev.instance.state == m.InstanceState.stopped for ev in of_instance(seen, "i-cut")):
                 break
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.5)  # anything the load would still publish
-        states = [ev.instance.state for ev in events]
+        states = [ev.instance.state for ev in of_instance(seen, "i-cut")]
         assert states[-1] == m.InstanceState.stopped, states
         assert m.InstanceState.ready not in states and "i-cut" not in worker.instances
         assert not worker._loading and not worker._unload_asked
@@ -65,20 +60,14 @@ async def test_a_stop_the_world_load_serves_only_once_every_block_is_loaded(data
     stop-the-world (the serverlessllm baseline's) is ready only after its last block."""
     index = CheckpointIndex.load(tiny_checkpoint)
     total = sum(index.block(b).nbytes for b in range(index.n_blocks))
-    ready: dict[str, m.InstanceEvent] = {}
-    loaded: dict[str, float] = {}
+    seen: list[m.InstanceEvent] = []
+    sub = await collect(client, subjects.EVENT_INSTANCE, m.InstanceEvent, seen)
 
-    sub = client.subscriber(subjects.EVENT_INSTANCE)
+    def first_ready(iid: str) -> m.InstanceEvent | None:
+        return next((ev for ev in of_instance(seen, iid) if ev.instance.state == m.InstanceState.ready), None)
 
-    @sub
-    async def seen(body: dict) -> None:
-        ev = m.InstanceEvent.model_validate(body)
-        if ev.instance.state == m.InstanceState.ready and ev.instance.instance_id not in ready:
-            ready[ev.instance.instance_id] = ev
-        if ev.instance.loaded_at is not None:
-            loaded.setdefault(ev.instance.instance_id, ev.instance.loaded_at)
-
-    await sub.start()
+    def loaded_at(iid: str) -> float | None:
+        return next((ev.instance.loaded_at for ev in of_instance(seen, iid) if ev.instance.loaded_at), None)
     reg = await started(database_url, nats_url)
     worker = WorkerService(WorkerConfig(worker_id="w-stw", kv_cache_bytes=8 << 20,
                                         emulated_host_to_device_mbit=total * 8 / 1e6 / 2.0), nats_url)
@@ -90,15 +79,16 @@ async def test_a_stop_the_world_load_serves_only_once_every_block_is_loaded(data
                                block_end=index.n_blocks, serve_while_loading=serve)
             assert (await call(client, command, load, m.CommandAck)).accepted
             for _ in range(100):
-                if iid in loaded and iid in ready:
+                if first_ready(iid) and loaded_at(iid):
                     break
                 await asyncio.sleep(0.1)
-            assert iid in loaded and iid in ready, (iid, ready, loaded)
+            assert first_ready(iid) and loaded_at(iid), (iid, of_instance(seen, iid))
             await call(client, command, m.UnloadModel(instance_id=iid), m.CommandAck)
-        assert ready["i-early"].reason == "serving, rest loading"
-        assert ready["i-early"].instance.ready_at < loaded["i-early"] - 0.3  # the paced last block came later
-        assert ready["i-stw"].reason == "loaded"
-        assert ready["i-stw"].instance.ready_at <= loaded["i-stw"]
+        early, stw = first_ready("i-early"), first_ready("i-stw")
+        assert early.reason == "serving, rest loading"
+        assert early.instance.ready_at < loaded_at("i-early") - 0.3  # the paced last block came later
+        assert stw.reason == "loaded"
+        assert stw.instance.ready_at <= loaded_at("i-stw")
     finally:
         await sub.stop()
         await worker.stop()
