@@ -93,18 +93,19 @@ class PlannerService(Service):
             else:
                 desired = max(model.min_instances, min(desired, model.max_instances))
             live = [i for i in view.instances if i.model == req.model and i.state in LIVE]
+            if desired > len(live) and model is not None:
+                operation = self._scale_up(model, view, live, desired, req, {"received": received, "viewed": viewed})
+            elif desired < len(live):
+                sllm = model is not None and model.scaling_mode == "serverlessllm"
+                operation = self._scale_down(req.model, live, desired, req,
+                                             self.serverlessllm_keep_alive_s if sllm else None)
+            else:
+                return None  # already there (the load-monitor repeats its requests): the view stays current
             try:
-                if desired > len(live) and model is not None:
-                    return await self._scale_up(model, view, live, desired, req,
-                                                {"received": received, "viewed": viewed})
-                if desired < len(live):
-                    keep_alive = (self.serverlessllm_keep_alive_s if model and model.scaling_mode == "serverlessllm"
-                                  else None)
-                    return await self._scale_down(req.model, live, desired, req, keep_alive)
+                return await operation
             finally:
                 # Its instances are in the registry before the registry's announcement reaches us.
                 self.views.mark_stale()
-            return None
 
     async def _record(self, op: m.ScaleOpInfo) -> None:
         try:

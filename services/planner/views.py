@@ -33,8 +33,7 @@ class ClusterViewCache:
         self._view_marks = -1  # marks already seen when the view was read
         self._lock = asyncio.Lock()  # one read at a time; a decision waiting on it gets that read
         self._wake = asyncio.Event()
-        self.hits = 0
-        self.reads = 0
+        self.hits = 0  # decisions answered from the kept view
 
     def announced(self, ev: m.ClusterChanged) -> None:
         latest = self._announced
@@ -70,7 +69,6 @@ class ClusterViewCache:
                 return self._view
             marks, started = self._stale_marks, time.monotonic()
             view = await self._read()
-            self.reads += 1
             self._view, self._read_at, self._view_marks = view, started, marks
             if self._announced is not None and self._announced[0] != view.epoch:
                 self._announced = None  # another registry process counted those: this view is its newest word
