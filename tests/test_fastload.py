@@ -42,6 +42,8 @@ from libs.checkpoint.fastload import (
     open_for_read,
     resident_fraction,
 )
+from libs.checkpoint import loader as loader_module
+from libs.checkpoint.loader import ReadStopped, read_exactly
 from libs.engine import Engine, SamplingParams
 from services.worker.host_cache import HostBlockCache
 
@@ -132,10 +134,10 @@ def delay_last_chunk(monkeypatch, index: CheckpointIndex, block_id: int) -> None
     entry = index.block(block_id)
     real = fastload.read_exactly
 
-    def slow_read(fd, into, offset, need, what):
+    def slow_read(fd, into, offset, need, what, **pieces):
         if offset + need == entry.offset + entry.nbytes:
             time.sleep(SLOW_READ_S)
-        return real(fd, into, offset, need, what)
+        return real(fd, into, offset, need, what, **pieces)
 
     monkeypatch.setattr(fastload, "read_exactly", slow_read)
 
@@ -704,6 +706,52 @@ def test_missing_data_file(tmp_path, ckpt, index):
                 job.result(timeout=JOIN_TIMEOUT)
             finally:
                 join(job)
+    assert not loader_threads()
+
+
+def test_a_read_in_pieces_fills_the_same_bytes_and_stops_between_pieces(tmp_path):
+    data = os.urandom(10 * 4096 + 123)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        whole = bytearray(len(data))
+        read_exactly(fd, memoryview(whole), 0, len(data), "f", piece_bytes=4096, stop=lambda: False)
+        assert whole == data
+        asked = []
+        part = bytearray(len(data))
+        with pytest.raises(ReadStopped, match="after 12288 of"):
+            read_exactly(fd, memoryview(part), 0, len(data), "f", piece_bytes=4096,
+                         stop=lambda: asked.append(1) or len(asked) > 3)
+        assert part[:12288] == data[:12288] and not any(part[12288:])
+    finally:
+        os.close(fd)
+
+
+def test_a_cancelled_job_stops_reading_within_one_piece_per_reader(monkeypatch, ckpt, index):
+    """A chunk's reads come in pieces: cancel() does not wait for whole chunks (on a throttled
+    disk a 16 MiB chunk takes seconds) but for at most the piece each reader is in."""
+    monkeypatch.setattr(fastload, "READ_PIECE_BYTES", 4096)
+    real, calls, jobs = os.preadv, [], []
+
+    def slow_preadv(fd, buffers, offset):
+        # (did this read start after the cancel, how much does it read)
+        calls.append((bool(jobs) and jobs[0].error is not None, sum(len(b) for b in buffers)))
+        time.sleep(0.002)  # a slow disk: the readers are mid-chunk when cancel() comes
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(loader_module.os, "preadv", slow_preadv)
+    threads = 2
+    jobs.append(BlockLoader("cpu", LoaderConfig(chunk_bytes=64 * 4096, threads=threads, staged=False))
+                .start(ckpt, index))
+    wait_until = time.monotonic() + JOIN_TIMEOUT
+    while len(calls) < 5 and time.monotonic() < wait_until:
+        time.sleep(0.001)
+    jobs[0].cancel()
+    assert jobs[0].done() and isinstance(jobs[0].error, RuntimeError) and "cancel" in str(jobs[0].error)
+    # Each reader checks before every piece: at most one read per reader can start after the cancel
+    # (between its check and its read), where whole chunks would be 64 reads each.
+    assert sum(after for after, _ in calls) <= threads and len(calls) < index.total_nbytes // 4096
+    assert max(n for _, n in calls) == 4096  # so a cancel waits for 4 KiB per reader, not a 256 KiB chunk
     assert not loader_threads()
 
 

@@ -2,8 +2,12 @@
 instance is stopped, never served (against real NATS, Postgres and a real checkpoint)."""
 
 import asyncio
+import os
+import time
 
 from libs.checkpoint import CheckpointIndex
+from libs.checkpoint import fastload
+from libs.checkpoint import loader as loader_module
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.protocol.bus import call
@@ -89,6 +93,54 @@ async def test_a_stop_the_world_load_serves_only_once_every_block_is_loaded(data
         assert early.instance.ready_at < loaded_at("i-early") - 0.3  # the paced last block came later
         assert stw.reason == "loaded"
         assert stw.instance.ready_at <= loaded_at("i-stw")
+    finally:
+        await sub.stop()
+        await worker.stop()
+        await reg.stop()
+
+
+async def test_unloading_a_load_from_a_slow_disk_stops_its_reads_at_once(database_url, nats_url, client,  # noqa: F811
+                                                                         tiny_checkpoint, monkeypatch):
+    """A stop-the-world load from a slow disk (serverlessllm's, on a throttled disk): the unload
+    cancels the disk reads at once, within the read piece each reader is in, instead of at the
+    end of the block being read; the disk is free for the next load."""
+    index = CheckpointIndex.load(tiny_checkpoint)
+    piece = 64 << 10
+    monkeypatch.setattr(fastload, "READ_PIECE_BYTES", piece)
+    real, reads, unloaded_at = os.preadv, [], []
+
+    def slow_preadv(fd, buffers, offset):
+        reads.append(time.monotonic())
+        time.sleep(0.05)  # 64 KiB per 50 ms and reader: the whole model takes many seconds
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(loader_module.os, "preadv", slow_preadv)
+    seen: list[m.InstanceEvent] = []
+    sub = await collect(client, subjects.EVENT_INSTANCE, m.InstanceEvent, seen)
+    reg = await started(database_url, nats_url)
+    worker = WorkerService(WorkerConfig(worker_id="w-disk", kv_cache_bytes=8 << 20), nats_url)
+    await worker.start()
+    try:
+        command = subjects.worker_command("w-disk")
+        load = m.LoadModel(instance_id="i-disk", model="demo", path=str(tiny_checkpoint), block_start=0,
+                           block_end=index.n_blocks, serve_while_loading=False)
+        assert (await call(client, command, load, m.CommandAck)).accepted
+        while len(reads) < 8:
+            await asyncio.sleep(0.01)
+        ack = await call(client, command, m.UnloadModel(instance_id="i-disk"), m.CommandAck)
+        unloaded_at.append(time.monotonic())
+        assert ack.accepted and ack.detail == "load cancelled"
+        for _ in range(100):
+            if any(ev.instance.state == m.InstanceState.stopped for ev in of_instance(seen, "i-disk")):
+                break
+            await asyncio.sleep(0.1)
+        states = [ev.instance.state for ev in of_instance(seen, "i-disk")]
+        assert states[-1] == m.InstanceState.stopped, states
+        assert not worker._loading and not worker._disk_jobs
+        # Reads in flight at the unload finish (one piece per reader); none start later.
+        late = [t for t in reads if t > unloaded_at[0] + 0.2]
+        assert late == [], f"{len(late)} reads after the unload; {len(reads)} in all"
+        assert len(reads) * piece < index.total_nbytes
     finally:
         await sub.stop()
         await worker.stop()

@@ -201,6 +201,7 @@ class WorkerService(Service):
         self._registered = False
         self._loading: set[str] = set()
         self._unload_asked: set[str] = set()  # loading instances the planner stopped: their loads end early
+        self._disk_jobs: dict[str, list[LoadJob]] = {}  # loading instance -> its disk reads (cancelled on unload)
         # (model, block) -> future of its host buffer, for blocks a running transfer brings
         self._incoming: dict[tuple[str, int], asyncio.Future] = {}
         self.pacer = make_pacer(config.emulated_host_to_device_mbit)
@@ -357,7 +358,7 @@ class WorkerService(Service):
         with _tracer.start_as_current_span("worker.load", attributes={
             "layercast.model": cmd.model, "layercast.worker": self.config.worker_id,
             "layercast.blocks": f"[{cmd.block_start},{cmd.block_end})"}) as span:
-            jobs: list[LoadJob] = []
+            jobs: list[LoadJob] = self._disk_jobs.setdefault(iid, [])
             wanted = list(range(cmd.block_start, cmd.block_end))
             pinned: list[tuple[str, int]] = []  # this load's pins; the instance releases them when it stops
             on_gpu: list[int] = []
@@ -452,7 +453,8 @@ class WorkerService(Service):
                     await self._attach(engine, info, cmd, pinned, "loaded")
                 await self._loaded(cmd.instance_id)
             except Exception as e:
-                stopped = isinstance(e, _LoadStopped)
+                # An unload cancels the disk reads too: their failure is the stop, not an error.
+                stopped = isinstance(e, _LoadStopped) or iid in self._unload_asked
                 if stopped:
                     log.info("load of %s as %s ended: %s", cmd.model, iid, e)
                 else:
@@ -476,6 +478,7 @@ class WorkerService(Service):
             finally:
                 self._loading.discard(iid)
                 self._unload_asked.discard(iid)
+                self._disk_jobs.pop(iid, None)
 
     async def _loaded(self, instance_id: str) -> None:
         """Every block is in engine memory: say so (the planner times scale operations by it)."""
@@ -628,14 +631,14 @@ class WorkerService(Service):
             info = m.InstanceInfo(instance_id=op.instance_id, model=op.model, stages=[
                 m.Stage(worker_id=wid, block_start=op.block_start, block_end=op.block_end)],
                 state=m.InstanceState.loading, created_at=time.time(), scale_op_id=op.scale_op_id)
-            asyncio.create_task(self._load(op, info))
+            self.spawn(self._load(op, info))
             return m.CommandAck(accepted=True, detail="loading")
         if isinstance(op, m.CancelTransfer):
             stopped = self.transfers.cancel(op.transfer_id, op.reason)
             return m.CommandAck(accepted=True, detail="cancelled" if stopped else "not running")
         if isinstance(op, m.FetchBlocks):
             self._require_checkpoint(op.path)
-            asyncio.create_task(self._fetch(op))
+            self.spawn(self._fetch(op))
             return m.CommandAck(accepted=True, detail="fetching")
         if isinstance(op, m.ReleaseBlocks):
             for b in op.blocks:
@@ -645,13 +648,15 @@ class WorkerService(Service):
             return m.CommandAck(accepted=True, detail="released")
         inst = self.instances.get(op.instance_id)
         if inst is None and op.instance_id in self._loading:
-            # Not attached yet: the load stops at its next block and reports the instance stopped.
+            # Not attached yet: the load stops and reports the instance stopped. Its disk reads stop
+            # now (within a read piece), so a stop-the-world load frees the disk at once.
             self._unload_asked.add(op.instance_id)
+            for job in self._disk_jobs.get(op.instance_id, []):
+                self.spawn(asyncio.to_thread(job.cancel))
             return m.CommandAck(accepted=True, detail="load cancelled")
         if inst is None:
             return m.CommandAck(accepted=False, detail=f"instance {op.instance_id} is not on {wid}")
-        asyncio.create_task(self._stop_instance(inst, "unloaded by planner", op.drain_timeout_s,
-                                                op.host_keep_alive_s))
+        self.spawn(self._stop_instance(inst, "unloaded by planner", op.drain_timeout_s, op.host_keep_alive_s))
         return m.CommandAck(accepted=True, detail="draining")
 
     def _subscribe(self) -> None:
