@@ -3,6 +3,7 @@ instance is stopped, never served (against real NATS, Postgres and a real checkp
 
 import asyncio
 import os
+import shutil
 import time
 
 from libs.checkpoint import CheckpointIndex
@@ -145,3 +146,16 @@ async def test_unloading_a_load_from_a_slow_disk_stops_its_reads_at_once(databas
         await sub.stop()
         await worker.stop()
         await reg.stop()
+
+
+def test_a_workers_free_disk_moving_within_a_gib_is_not_a_change(monkeypatch, nats_url):
+    """Heartbeats re-register the worker, and a registration that differs counts as a change to
+    the cluster view (the planner's kept view goes stale). Free disk moves with every log line,
+    so it is reported in whole GiB."""
+    worker = WorkerService(WorkerConfig(worker_id="w-disk-free"), nats_url)
+    usage = shutil.disk_usage(".")
+    for free in ((7 << 30) + 12345, (7 << 30) + (900 << 20), 7 << 30):
+        monkeypatch.setattr(shutil, "disk_usage", lambda _path, free=free: usage._replace(free=free))
+        assert worker._registration()["capacities"][m.Tier.ssd] == 7 << 30
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage._replace(free=(8 << 30) + 1))
+    assert worker._registration()["capacities"][m.Tier.ssd] == 8 << 30

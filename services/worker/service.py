@@ -216,7 +216,9 @@ class WorkerService(Service):
     # --- lifecycle ------------------------------------------------------------------------------
     def _registration(self) -> dict:
         c = self.config
-        disk = shutil.disk_usage(os.getcwd()).free
+        # Free disk in whole GiB: its bytes move with every log line, and a registration that
+        # differs is a change to the cluster view, which makes the planner's kept view stale.
+        disk = shutil.disk_usage(os.getcwd()).free >> 30 << 30
         return dict(
             worker_id=c.worker_id,
             data_address=self.transport.address if self.transport else f"{c.data_host}:{c.data_port}",
