@@ -126,21 +126,32 @@ def test_a_worker_multicasts_its_host_blocks_to_another(cluster, tiny_checkpoint
 
 
 def test_a_bad_transfer_part_is_refused_with_a_reason(cluster):
+    """A part that makes a worker send a block it does not hold is refused, and the worker
+    reports that block evicted from its host tier: the registry's record that put it in the
+    plan was stale, and the next plan must not pick this worker as its source again."""
     w = cluster_view(cluster)["workers"][0]["worker_id"]
 
     async def run():
-        broker = make_broker(cluster.nats_url)
-        await start_broker(broker)
+        listener = Listener(cluster.nats_url)
+        await start_broker(listener.broker)
         try:
             part = m.TransferPart(transfer_id="bad", model="never-deployed", blocks=[
                 m.BlockInfo(block_id=0, nbytes=10, checksum="00000000", layer_start=0, layer_end=1)],
                 peers={"elsewhere": "127.0.0.1:1"}, sends=[m.TransferHop(step=0, peer="elsewhere", block=0)])
-            return await call(broker, subjects.worker_command(w), part, m.CommandAck)
+            try:
+                await call(listener.broker, subjects.worker_command(w), part, m.CommandAck)
+                raise AssertionError("the part was accepted")
+            except Exception as e:  # the refusal comes back as the RPC's error
+                refusal = str(e)
+            await asyncio.sleep(0.5)
+            return refusal, list(listener.blocks)
         finally:
-            await broker.stop()
+            await listener.broker.stop()
 
-    with pytest.raises(Exception, match="does not hold block 0 of never-deployed"):
-        asyncio.run(run())
+    refusal, events = asyncio.run(run())
+    assert "does not hold block 0 of never-deployed" in refusal
+    assert [(e.worker_id, e.model, e.block_id, e.tier, e.state) for e in events if e.model == "never-deployed"] == [
+        (w, "never-deployed", 0, m.Tier.host, m.ReplicaState.evicted)]
 
 
 def test_a_cancelled_part_stops_at_once_and_a_late_copy_is_refused(cluster):

@@ -50,6 +50,9 @@ class _SyntheticBlocks:
     async def release(self, model: str, block_id: int) -> None:
         return None  # synthetic blocks stay for the node's lifetime
 
+    async def missing(self, model: str, block_id: int) -> None:
+        return None  # a benchmark node has no registry record to correct
+
     def allocate(self, nbytes: int) -> torch.Tensor:
         return aligned_empty(nbytes)
 

@@ -138,6 +138,11 @@ class _HostTierBlocks:
     async def release(self, model: str, block_id: int) -> None:
         await self.worker._report_evicted(self.worker.cache.unpin((model, block_id)))
 
+    async def missing(self, model: str, block_id: int) -> None:
+        # Say so, so the registry drops the replica it thought was here and the next plan
+        # does not pick this worker as a source again (a lost eviction report, a restart).
+        await self.worker._report_evicted([(model, block_id)])
+
     def allocate(self, nbytes: int) -> torch.Tensor:
         return host_buffer(self.worker.loader.arena, nbytes, pin=torch.device(self.worker.config.device).type == "cuda")
 

@@ -41,6 +41,9 @@ class BlockStore(Protocol):
     async def release(self, model: str, block_id: int) -> None:
         """The transfer no longer needs a block it took."""
 
+    async def missing(self, model: str, block_id: int) -> None:
+        """A block the part must send is not held: whoever planned it had a stale record."""
+
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A fresh host buffer for a block to be received."""
 
@@ -90,6 +93,7 @@ class TransferAgent:
             for b in sorted({h.block for h in part.sends} - received):
                 buf = self.blocks.take(part.model, b)
                 if buf is None:
+                    await self.blocks.missing(part.model, b)
                     raise DomainError(f"{self.worker_id} does not hold block {b} of {part.model} it must send",
                                       code="not_found")
                 taken.append(b)
