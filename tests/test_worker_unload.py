@@ -22,6 +22,17 @@ def of_instance(events: list[m.InstanceEvent], instance_id: str) -> list[m.Insta
     return [ev for ev in events if ev.instance.instance_id == instance_id]
 
 
+def stopped(events: list[m.InstanceEvent], instance_id: str) -> bool:
+    return any(ev.instance.state == m.InstanceState.stopped for ev in of_instance(events, instance_id))
+
+
+async def until(condition, timeout_s: float) -> None:
+    """Wait for `condition()` (or the timeout: the assertions after it say what was missing)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
 async def test_unloading_a_loading_instance_stops_its_load(database_url, nats_url, client, tiny_checkpoint):  # noqa: F811
     index = CheckpointIndex.load(tiny_checkpoint)
     total = sum(index.block(b).nbytes for b in range(index.n_blocks))
@@ -40,10 +51,7 @@ async def test_unloading_a_loading_instance_stops_its_load(database_url, nats_ur
         await asyncio.sleep(0.3)
         ack = await call(client, command, m.UnloadModel(instance_id="i-cut"), m.CommandAck)
         assert ack.accepted and ack.detail == "load cancelled"
-        for _ in range(int(LOAD_S * 20)):
-            if any(ev.instance.state == m.InstanceState.stopped for ev in of_instance(seen, "i-cut")):
-                break
-            await asyncio.sleep(0.1)
+        await until(lambda: stopped(seen, "i-cut"), LOAD_S * 2)
         await asyncio.sleep(0.5)  # anything the load would still publish
         states = [ev.instance.state for ev in of_instance(seen, "i-cut")]
         assert states[-1] == m.InstanceState.stopped, states
@@ -83,10 +91,7 @@ async def test_a_stop_the_world_load_serves_only_once_every_block_is_loaded(data
             load = m.LoadModel(instance_id=iid, model="demo", path=str(tiny_checkpoint), block_start=0,
                                block_end=index.n_blocks, serve_while_loading=serve)
             assert (await call(client, command, load, m.CommandAck)).accepted
-            for _ in range(100):
-                if first_ready(iid) and loaded_at(iid):
-                    break
-                await asyncio.sleep(0.1)
+            await until(lambda: first_ready(iid) and loaded_at(iid), 10)
             assert first_ready(iid) and loaded_at(iid), (iid, of_instance(seen, iid))
             await call(client, command, m.UnloadModel(instance_id=iid), m.CommandAck)
         early, stw = first_ready("i-early"), first_ready("i-stw")
@@ -108,7 +113,7 @@ async def test_unloading_a_load_from_a_slow_disk_stops_its_reads_at_once(databas
     index = CheckpointIndex.load(tiny_checkpoint)
     piece = 64 << 10
     monkeypatch.setattr(fastload, "READ_PIECE_BYTES", piece)
-    real, reads, unloaded_at = os.preadv, [], []
+    real, reads = os.preadv, []
 
     def slow_preadv(fd, buffers, offset):
         reads.append(time.monotonic())
@@ -126,20 +131,16 @@ async def test_unloading_a_load_from_a_slow_disk_stops_its_reads_at_once(databas
         load = m.LoadModel(instance_id="i-disk", model="demo", path=str(tiny_checkpoint), block_start=0,
                            block_end=index.n_blocks, serve_while_loading=False)
         assert (await call(client, command, load, m.CommandAck)).accepted
-        while len(reads) < 8:
-            await asyncio.sleep(0.01)
+        await until(lambda: len(reads) >= 8, 30)
         ack = await call(client, command, m.UnloadModel(instance_id="i-disk"), m.CommandAck)
-        unloaded_at.append(time.monotonic())
+        unloaded_at = time.monotonic()
         assert ack.accepted and ack.detail == "load cancelled"
-        for _ in range(100):
-            if any(ev.instance.state == m.InstanceState.stopped for ev in of_instance(seen, "i-disk")):
-                break
-            await asyncio.sleep(0.1)
+        await until(lambda: stopped(seen, "i-disk"), 10)
         states = [ev.instance.state for ev in of_instance(seen, "i-disk")]
         assert states[-1] == m.InstanceState.stopped, states
         assert not worker._loading and not worker._disk_jobs
         # Reads in flight at the unload finish (one piece per reader); none start later.
-        late = [t for t in reads if t > unloaded_at[0] + 0.2]
+        late = [t for t in reads if t > unloaded_at + 0.2]
         assert late == [], f"{len(late)} reads after the unload; {len(reads)} in all"
         assert len(reads) * piece < index.total_nbytes
     finally:
