@@ -14,7 +14,7 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 # PYTHONPATH: the services and the `layercast` command import the tree in /app, so
-# libs/db/engine.py finds /app/migrations next to it (as in a source checkout).
+# libs/db/session.py finds /app/migrations next to it (as in a source checkout).
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PYTHONPATH=/app \

@@ -60,7 +60,7 @@ case "$command" in
     migrate)
         : "${DATABASE_URL:?set DATABASE_URL (postgresql://user:password@host:5432/db)}"
         exec python -c 'import os
-from libs.db.engine import migrate
+from libs.db.session import migrate
 migrate(os.environ["DATABASE_URL"])
 print("database schema is up to date")'
         ;;

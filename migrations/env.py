@@ -1,4 +1,4 @@
-"""Alembic environment: runs migrations on the URL set by libs.db.engine.alembic_config."""
+"""Alembic environment: runs migrations on the URL set by libs.db.session.alembic_config."""
 
 from alembic import context
 from sqlalchemy import engine_from_config, pool

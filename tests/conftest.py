@@ -21,7 +21,7 @@ import psycopg  # noqa: E402
 import pytest  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
 
-from services.cli.cluster import (  # noqa: E402
+from libs.cluster.launcher import (  # noqa: E402
     ClusterSpec,
     ProcessInfo,
     free_port,
@@ -126,7 +126,7 @@ def request_scale(nats_url: str, desired: int, model: str = "tiny", reason: str 
 
     from libs.protocol import messages as m
     from libs.protocol import subjects
-    from libs.protocol.bus import make_broker, publish, start_broker
+    from libs.bus.broker import make_broker, publish, start_broker
 
     async def send():
         broker = make_broker(nats_url)

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
-from libs.db.engine import make_sessionmaker, write_sessionmaker
+from libs.db.session import make_sessionmaker, write_sessionmaker
 from libs.db.models import BlockReplica, Instance, Model, ModelBlock, ScaleOperation, Worker
 from libs.protocol import messages as m
 

@@ -387,7 +387,7 @@ class CommandAck(Message):
 
 
 class RdmaConnect(Message):
-    """Worker -> worker: RDMA queue-pair connection data (libs/transfer/rdma.py ConnectionInfo).
+    """Worker -> worker: RDMA queue-pair connection data (libs/transfer/rdma/transport.py ConnectionInfo).
 
     The reply is another RdmaConnect carrying the answering worker's data.
     """

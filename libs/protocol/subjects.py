@@ -79,7 +79,7 @@ def worker_command(worker_id: str) -> str:
 
 def worker_plan(worker_id: str) -> str:
     """JETSTREAM TransferPart | LoadModel (planner -> worker): a worker's part of a scale-out, kept
-    in PLAN_STREAM until the worker acks it; answered with a CommandAck (libs/protocol/plans.py)."""
+    in PLAN_STREAM until the worker acks it; answered with a CommandAck (libs/bus/plans.py)."""
     return f"{PREFIX}.plan.{worker_id}"
 
 

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from services.cli.bench import bench_app
-from services.cli.cluster import ClusterError, ClusterSpec, ClusterState, cluster_status, start_cluster, stop_cluster
+from libs.cluster.launcher import ClusterError, ClusterSpec, ClusterState, cluster_status, start_cluster, stop_cluster
 
 app = typer.Typer(help="layercast: serverless LLM inference by block multicast.", no_args_is_help=True)
 model_app = typer.Typer(help="Create, convert and deploy models.", no_args_is_help=True)
@@ -160,7 +160,7 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
                                                   "(default 3, lambdaScale); 0: bounded by bytes only.")
        ) -> None:
     """Start a dev cluster: NATS, database, the five services and N workers."""
-    from services.cli.emulation import can_emulate, requested_profile
+    from libs.cluster.emulation import can_emulate, requested_profile
 
     state_dir = state_dir.resolve()
     try:
@@ -187,7 +187,7 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
     with ExitStack() as stack:
         emulation = None
         if profile is not None:
-            from services.cli.emulation import EmulatedCluster, EmulationError
+            from libs.cluster.emulation import EmulatedCluster, EmulationError
 
             try:
                 # Disk caps apply to the disk holding the state dir: the demo checkpoints live there.

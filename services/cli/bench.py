@@ -155,7 +155,7 @@ def load(
 ) -> None:
     """Cold/warm/host-tier load bandwidth and time to first logits against the raw disk and the usual loaders."""
     from libs.checkpoint.fastload import DEFAULT_CHUNK_BYTES, DEFAULT_THREADS
-    from services.cli.bench_load import demo_paths, run_load_benchmark, sweep
+    from benchmarks.bench_load import demo_paths, run_load_benchmark, sweep
 
     if path is None:
         path, default_hf = demo_paths(state_dir)
@@ -211,8 +211,8 @@ def multicast(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Every multicast algorithm on one emulated cluster (root: netns + tc), against its bounds."""
-    from services.cli.bench_multicast import ALGORITHMS, run_multicast_benchmark
-    from services.cli.emulation import can_emulate
+    from benchmarks.bench_multicast import ALGORITHMS, run_multicast_benchmark
+    from libs.cluster.emulation import can_emulate
 
     ok, why = can_emulate()
     if not ok:
@@ -249,7 +249,7 @@ def engine(
 ) -> None:
     """Batched decode at batch 1/4/16/32, prefill, and 2/4-stage pipelines against sequential generate()."""
     from libs.checkpoint import convert_checkpoint, create_demo_checkpoint, is_block_checkpoint
-    from services.cli.bench_engine import run_engine_benchmark
+    from benchmarks.bench_engine import run_engine_benchmark
 
     if path is None:
         root = state_dir.resolve() / "bench-engine-small"
@@ -271,7 +271,7 @@ def _emulation_profile(emulate: bool, link_mbit: float | None, disk_mbit: float 
                        host_to_device_mbit: float | None, cpu_quota: float | None,
                        host_cache_models: int | None = None):
     """The default emulated cluster profile with the command's overrides (None: not emulated)."""
-    from services.cli.emulation import can_emulate, requested_profile
+    from libs.cluster.emulation import can_emulate, requested_profile
 
     try:
         profile = requested_profile(emulate, link_mbit=link_mbit, disk_read_mbit=disk_mbit,
@@ -347,8 +347,8 @@ def trace(
     of the Azure code trace in 60 s per mode, three modes in about 4-5 minutes on a 2-core
     machine. Progress goes to stderr.
     """
-    from libs.planning.trace_replay import Transform
-    from services.cli.bench_trace import TraceBenchConfig, parse_modes, run_trace_benchmark, to_jsonable
+    from benchmarks.trace_replay import Transform
+    from benchmarks.bench_trace import TraceBenchConfig, parse_modes, run_trace_benchmark, to_jsonable
 
     try:
         mode_list = parse_modes(modes)
@@ -367,7 +367,7 @@ def trace(
                            target_concurrency=target_concurrency, slo_factor=slo_factor,
                            calibration_requests=calibration_requests, slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s,
                            request_timeout_s=request_timeout_s, emulate=emulate, profile=profile)
-    from services.cli.cluster import ClusterError
+    from libs.cluster.launcher import ClusterError
 
     try:
         result = to_jsonable(run_trace_benchmark(trace_csv, mode_list, tf, cfg, state_dir, plot, attribution))
@@ -427,9 +427,9 @@ def scale(
 ) -> None:
     """One controlled burst per scaling mode: decision -> first byte, -> each instance loaded, -> all
     loaded, tokens/s every 100 ms, against each mode's physical bound under the emulated rates."""
-    from services.cli.bench_scale import run_scale_benchmark
-    from services.cli.bench_trace import bench_model, parse_modes
-    from services.cli.cluster import ClusterError
+    from benchmarks.bench_scale import run_scale_benchmark
+    from benchmarks.bench_trace import bench_model, parse_modes
+    from libs.cluster.launcher import ClusterError
 
     profile = _emulation_profile(emulate, link_mbit, disk_mbit, host_to_device_mbit, cpu_quota,
                                  host_cache_models)

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Coroutine
 
 from libs.protocol import subjects
-from libs.protocol.bus import make_broker, start_broker
+from libs.bus.broker import make_broker, start_broker
 
 from libs.telemetry import HealthServer, setup_logging, setup_tracing
 

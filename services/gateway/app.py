@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from libs.checkpoint import CheckpointIndex, is_block_checkpoint
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from libs.protocol.bus import RemoteError, call
+from libs.bus.broker import RemoteError, call
 from services.gateway.errors import APIError
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, DeployRequest
 from services.gateway.service import GatewayService, Generation, ModelEntry

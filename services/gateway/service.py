@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from libs.checkpoint import CheckpointIndex
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from libs.protocol.bus import RemoteError, call, on_event, publish
+from libs.bus.broker import RemoteError, call, on_event, publish
 from libs.telemetry import tracer
 from services.common.runner import EndedInstances, Service
 from services.gateway.errors import APIError

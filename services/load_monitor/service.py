@@ -15,7 +15,7 @@ from prometheus_client import Counter, Gauge
 from libs.planning.policies import ConcurrencyPolicy, MetricsSample, concurrency_policy
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from libs.protocol.bus import call, on_event, publish
+from libs.bus.broker import call, on_event, publish
 from libs.telemetry import tracer
 from services.common.runner import EndedInstances, Service
 

@@ -22,8 +22,8 @@ from libs.planning.pool import PoolFill, pool_repair
 from libs.planning.scaleout import SERVERLESSLLM_KEEP_ALIVE_S, MulticastPlan, plan_nodes, scaleout_plan
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from libs.protocol.bus import RemoteError, call, on_event, publish
-from libs.protocol.plans import ensure_plan_stream, send_part
+from libs.bus.broker import RemoteError, call, on_event, publish
+from libs.bus.plans import ensure_plan_stream, send_part
 from libs.telemetry import tracer
 from services.common.runner import Service
 from services.common.transfer_parts import gather_parts, transfer_parts

@@ -7,11 +7,11 @@ import time
 
 from prometheus_client import Counter, Gauge
 
-from libs.db.engine import make_engine, migrate
+from libs.db.session import make_engine, migrate
 from libs.db.store import RegistryStore
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from libs.protocol.bus import DomainError, on_event, publish, rpc
+from libs.bus.broker import DomainError, on_event, publish, rpc
 from services.common.runner import Service
 
 WORKERS = Gauge("layercast_registry_workers", "Registered workers with a live heartbeat")

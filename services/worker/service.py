@@ -33,11 +33,11 @@ from libs.checkpoint.fastload import (
 from libs.engine import Engine, SamplingParams, TokenOutput, warm_up
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from libs.protocol.bus import DomainError, call, on_event, publish, rpc
-from libs.protocol.plans import consume_parts
+from libs.bus.broker import DomainError, call, on_event, publish, rpc
+from libs.bus.plans import consume_parts
 from libs.telemetry import tracer, unsampled
 from libs.transfer.base import Transport, TransferError
-from libs.transfer.tcp import TcpTransport
+from libs.transfer.tcp.transport import TcpTransport
 from services.common.runner import Service
 from services.worker.host_cache import HostBlockCache
 from services.worker.runtime import EngineRuntime
@@ -293,7 +293,7 @@ class WorkerService(Service):
             return TcpTransport(c.worker_id, c.data_host, c.data_port, advertise_host=advertised_data_host(c))
         if c.transport != "rdma":
             raise ValueError(f"unknown transport {c.transport!r}: tcp or rdma")
-        from libs.transfer.rdma import RdmaTransport, rdma_available
+        from libs.transfer.rdma.transport import RdmaTransport, rdma_available
 
         ok, why = rdma_available(c.rdma_device)
         if not ok:

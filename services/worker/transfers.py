@@ -19,7 +19,7 @@ from prometheus_client import Counter
 
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from libs.protocol.bus import DomainError, publish
+from libs.bus.broker import DomainError, publish
 from libs.telemetry import tracer
 from libs.transfer.base import BlockSlot, Transport, TransferError
 from libs.transfer.executor import Hop, PartRun

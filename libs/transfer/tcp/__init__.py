@@ -1,0 +1,1 @@
+"""The TCP data plane: its wire frames and its transport."""

@@ -1,0 +1,189 @@
+"""Offline checks of the Docker deployment: the Dockerfile (hadolint), docker-compose.yml
+(the compose-spec schema and the rules this project relies on), the Prometheus and
+Grafana configuration it mounts, and the image's entrypoint. No Docker daemon needed."""
+
+import http.server
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+COMPOSE_FILES = [COMPOSE] + [p for p in [ROOT / "docker-compose.gpu.yml"] if p.exists()]
+ENTRYPOINT = ROOT / "deploy" / "docker-entrypoint.sh"
+LAYERCAST_SERVICES = {"gateway", "registry", "planner", "load-monitor", "worker"}
+# Long-running services that cannot have a healthcheck, and why.
+NO_HEALTHCHECK = {"otel-collector": "a distroless image: no shell or HTTP client to run a check"}
+
+
+def tool(name: str) -> str:
+    """A command-line tool from the dev extras: next to this interpreter (the venv), else on PATH."""
+    for candidate in (Path(sys.executable).parent / name, shutil.which(name)):
+        if candidate and os.access(candidate, os.X_OK):
+            return str(candidate)
+    pytest.fail(f"{name} not found next to {sys.executable} nor on PATH: install the dev extras "
+                f"(pip install -e '.[dev]')")
+
+
+def run(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=ROOT, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict:
+    return compose["services"]
+
+
+def uses_layercast_image(service: dict) -> bool:
+    return str(service.get("image", "")).startswith("layercast:")
+
+
+def is_one_shot(service: dict) -> bool:
+    return service.get("restart") == "no"
+
+
+# --- linters ------------------------------------------------------------------------------------
+
+def test_dockerfile_passes_hadolint():
+    r = run(tool("hadolint"), "Dockerfile")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_matches_compose_spec(path):
+    r = run(tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_dockerfile_installs_torch_before_the_project():
+    text = (ROOT / "Dockerfile").read_text()
+    torch, project = text.find('"torch==${TORCH_VERSION}"'), text.find("pip install --no-cache-dir .")
+    assert 0 <= torch < project, "torch must be installed (pinned) before `pip install .`"
+    assert 'ENTRYPOINT ["/usr/local/bin/layercast-entrypoint"]' in text
+
+
+# --- compose structure --------------------------------------------------------------------------
+
+def test_long_running_services_have_healthchecks(services):
+    missing = [name for name, s in services.items()
+               if not is_one_shot(s) and name not in NO_HEALTHCHECK
+               and (not s.get("healthcheck") or s["healthcheck"].get("disable"))]
+    assert not missing, f"no healthcheck: {missing}"
+    assert LAYERCAST_SERVICES <= {n for n, s in services.items() if uses_layercast_image(s)}
+
+
+def test_every_dependency_has_a_condition(services):
+    for name, s in services.items():
+        deps = s.get("depends_on", {})
+        assert isinstance(deps, dict), f"{name}: depends_on must be a mapping with conditions"
+        for dep, spec in deps.items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            assert spec.get("condition") in ("service_started", "service_healthy",
+                                             "service_completed_successfully"), f"{name} -> {dep}"
+            if spec["condition"] == "service_healthy":
+                assert services[dep].get("healthcheck"), f"{name} waits for {dep} healthy: it has no healthcheck"
+
+
+def test_workers_scale(services):
+    worker = services["worker"]
+    assert "container_name" not in worker, "a container_name breaks --scale worker=N"
+    assert not worker.get("ports"), "published ports break --scale worker=N"
+    assert worker["deploy"]["replicas"] >= 2
+
+
+def test_nats_requires_credentials(services):
+    command = " ".join(services["nats"]["command"])
+    assert "--user=layercast" in command and "--pass=${NATS_PASSWORD" in command
+    nats_urls = {name: s["environment"]["NATS_URL"] for name, s in services.items()
+                 if "NATS_URL" in s.get("environment", {})}
+    assert set(nats_urls) >= LAYERCAST_SERVICES
+    for name, url in nats_urls.items():
+        assert re.fullmatch(r"nats://layercast:\$\{NATS_PASSWORD:-[^}]+\}@nats:4222", url), f"{name}: {url}"
+
+
+def test_env_example_lists_every_interpolated_variable():
+    text = "\n".join(p.read_text() for p in COMPOSE_FILES)
+    # ${VAR...} or $VAR, but not $${VAR} / $$VAR (escaped: the container's own variable).
+    used = set(re.findall(r"(?<!\$)\$\{?([A-Za-z_][A-Za-z0-9_]*)", text))
+    listed = set(re.findall(r"^([A-Za-z_][A-Za-z0-9_]*)=", (ROOT / ".env.example").read_text(), re.M))
+    assert used, "no variables found: the pattern is broken"
+    assert not used - listed, f"missing from .env.example: {sorted(used - listed)}"
+    unset_without_default = set(re.findall(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)\}", text))
+    assert not unset_without_default, f"give a default (${{VAR:-default}}): {sorted(unset_without_default)}"
+
+
+def test_prometheus_scrapes_every_service(services):
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    targets = set()
+    for job in config["scrape_configs"]:
+        for static in job.get("static_configs", []):
+            targets |= {tuple(t.rsplit(":", 1)) for t in static["targets"]}
+        for dns in job.get("dns_sd_configs", []):
+            targets |= {(name, str(dns["port"])) for name in dns["names"]}
+    for name in LAYERCAST_SERVICES:
+        port = services[name]["environment"]["LAYERCAST_HEALTH_PORT"]  # where /metrics is served
+        assert (name, str(port)) in targets, f"prometheus does not scrape {name}:{port}"
+
+
+def test_grafana_provisions_the_mounted_dashboards(services):
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in services["grafana"]["volumes"]}  # target -> source
+    assert mounts["/etc/grafana/provisioning"] == "./deploy/grafana/provisioning"
+    provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/layercast.yaml").read_text())
+    path = provider["providers"][0]["options"]["path"]
+    assert mounts.get(path) == "./deploy/grafana/dashboards", f"{path} is not where the dashboards are mounted"
+    datasources = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/layercast.yaml").read_text())
+    assert {d["uid"] for d in datasources["datasources"]} >= {"prometheus", "jaeger"}
+
+
+# --- entrypoint ---------------------------------------------------------------------------------
+
+def test_entrypoint_handles_every_compose_command(services):
+    assert run("sh", "-n", str(ENTRYPOINT)).returncode == 0
+    labels = set()
+    for pattern in re.findall(r"^\s*([a-z|-]+)\)\s*$", ENTRYPOINT.read_text(), re.M):
+        labels |= set(pattern.split("|"))
+    commands = {s["command"][0] for s in services.values() if uses_layercast_image(s)}
+    checks = {s["healthcheck"]["test"][2] for s in services.values()
+              if uses_layercast_image(s) and not s["healthcheck"].get("disable")}
+    assert commands >= LAYERCAST_SERVICES | {"migrate", "demo-model"}
+    assert not (commands | checks) - labels, f"not handled by the entrypoint: {(commands | checks) - labels}"
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(self.status if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("status,rc", [(200, 0), (503, 1)])
+def test_entrypoint_healthcheck(status, rc):
+    handler = type("Health", (_Health,), {"status": status})
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "LAYERCAST_HEALTH_PORT": str(server.server_port)}
+    try:
+        r = run("sh", str(ENTRYPOINT), "healthcheck", env=env)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.returncode == rc, r.stdout + r.stderr
+    assert run("sh", str(ENTRYPOINT), "echo", "other commands run as given").stdout.strip() == \
+        "other commands run as given"

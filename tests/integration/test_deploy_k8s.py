@@ -1,0 +1,211 @@
+"""The Kubernetes manifests (k8s/): every overlay renders with kustomize
+(kubectl's built-in), passes the Kubernetes schemas strictly, and holds the
+properties the deployment relies on. Offline; the tools come with the dev extras."""
+
+import base64
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "k8s"
+OVERLAYS = ["dev", "prod", "prod-managed"]
+CONTROL = ["gateway", "registry", "planner", "load-monitor"]
+# Created by the operator in prod (the command is in k8s/README.md), generated in dev.
+OPERATOR_SECRET = "layercast-secrets"
+
+
+def tool(name: str) -> str:
+    here = Path(sys.executable).parent / name
+    if here.is_file():
+        return str(here)
+    found = shutil.which(name)
+    if not found:
+        pytest.fail(f"{name} not found: install the dev extras (pip install -e '.[dev]')")
+    return found
+
+
+def run(*args: str) -> str:
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"{' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+_rendered: dict[str, str] = {}
+
+
+def render(overlay: str) -> str:
+    if overlay not in _rendered:
+        _rendered[overlay] = run(tool("kubectl"), "kustomize", str(K8S / "overlays" / overlay))
+    return _rendered[overlay]
+
+
+def objects(overlay: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(render(overlay)) if d]
+
+
+def find(objs: list[dict], kind: str, name: str) -> dict:
+    matches = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind}/{name}, found {len(matches)}"
+    return matches[0]
+
+
+def workloads(objs: list[dict], kinds=("Deployment", "StatefulSet")) -> list[dict]:
+    return [o for o in objs if o["kind"] in kinds]
+
+
+def containers(workload: dict) -> list[dict]:
+    spec = workload["spec"]["template"]["spec"]
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def ours(container: dict) -> bool:
+    """A container of the layercast image (whatever registry and tag the overlay set)."""
+    return container["image"].rsplit(":", 1)[0].rsplit("/", 1)[-1] == "layercast"
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def config(objs: list[dict]) -> dict[str, str]:
+    [cm] = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("layercast-config")]
+    return cm["data"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_and_passes_strict_schema_validation(overlay, tmp_path):
+    out = tmp_path / f"{overlay}.yaml"
+    out.write_text(render(overlay))
+    run(tool("kubernetes-validate"), "--strict", "--quiet", str(out))
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_our_containers_have_health_probes_resources_and_run_as_non_root(overlay):
+    objs = objects(overlay)
+    seen = set()
+    for w in workloads(objs):
+        pod = w["spec"]["template"]["spec"]
+        for c in filter(ours, containers(w)):
+            seen.add(w["metadata"]["name"])
+            where = f"{overlay}: {w['kind']}/{w['metadata']['name']} container {c['name']}"
+            for probe in ("readinessProbe", "livenessProbe"):
+                assert c.get(probe, {}).get("httpGet", {}).get("path") == "/health", f"{where}: {probe}"
+            for part in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c.get("resources", {}).get(part, {})), f"{where}: {part}"
+            sc = {**pod.get("securityContext", {}), **c.get("securityContext", {})}
+            assert sc.get("runAsNonRoot") is True and sc.get("runAsUser", 0) != 0, f"{where}: runs as root"
+            assert sc.get("allowPrivilegeEscalation") is False, where
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], where
+    assert seen == {*CONTROL, "worker"}
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_every_control_service_has_a_pdb_that_selects_it_without_blocking_drains(overlay):
+    objs = objects(overlay)
+    pdbs = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
+    for name in CONTROL:
+        dep = find(objs, "Deployment", name)
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        mine = [p for p in pdbs if p["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+        assert len(mine) == 1, f"{overlay}: {len(mine)} PodDisruptionBudgets select {name}"
+        spec, replicas = mine[0]["spec"], dep["spec"].get("replicas", 1)
+        allowed = spec["maxUnavailable"] if "maxUnavailable" in spec else replicas - spec["minAvailable"]
+        assert allowed >= 1, f"{overlay}: the PDB of {name} allows no eviction: it would block node drains"
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_worker_identity_and_topology_come_from_the_downward_api(overlay):
+    worker = find(objects(overlay), "StatefulSet", "worker")
+    assert worker["spec"]["podManagementPolicy"] == "Parallel"
+    env = env_of(worker["spec"]["template"]["spec"]["containers"][0])
+    expected = {
+        "LAYERCAST_WORKER_ID": "metadata.name",
+        "LAYERCAST_DATA_ADVERTISE_HOST": "status.podIP",
+        "LAYERCAST_TOPOLOGY_HOST": "spec.nodeName",
+        "LAYERCAST_TOPOLOGY_LEAF": "metadata.labels['topology.kubernetes.io/zone']",
+    }
+    for var, field in expected.items():
+        assert env.get(var, {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == field, var
+    assert env["LAYERCAST_DATA_PORT"]["value"] == "7000"
+
+
+def test_prod_workers_get_one_gpu_each_and_dev_workers_none():
+    prod, dev = objects("prod"), objects("dev")
+    res = find(prod, "StatefulSet", "worker")["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert res["limits"].get("nvidia.com/gpu") == 1 and res["requests"].get("nvidia.com/gpu") == 1
+    assert config(prod)["LAYERCAST_DEVICE"] == "cuda"
+    assert "nvidia.com/gpu" not in render("dev")
+    assert config(dev)["LAYERCAST_DEVICE"] == "cpu"
+
+
+def references(objs: list[dict]) -> set[tuple[str, str, str | None]]:
+    """(kind, name, key) of every ConfigMap, Secret and PVC a pod template uses."""
+    refs = set()
+    for w in workloads(objs, ("Deployment", "StatefulSet", "Job")):
+        pod = w["spec"]["template"]["spec"]
+        for v in pod.get("volumes", []):
+            if "configMap" in v:
+                refs.add(("ConfigMap", v["configMap"]["name"], None))
+            if "secret" in v:
+                refs.add(("Secret", v["secret"]["secretName"], None))
+            if "persistentVolumeClaim" in v:
+                refs.add(("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"], None))
+        for c in containers(w):
+            for src in c.get("envFrom", []):
+                for field, kind in (("configMapRef", "ConfigMap"), ("secretRef", "Secret")):
+                    if field in src:
+                        refs.add((kind, src[field]["name"], None))
+            for e in c.get("env", []):
+                for field, kind in (("configMapKeyRef", "ConfigMap"), ("secretKeyRef", "Secret")):
+                    ref = e.get("valueFrom", {}).get(field)
+                    if ref:
+                        refs.add((kind, ref["name"], ref["key"]))
+    return refs
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_reference_is_rendered_or_the_documented_operator_secret(overlay):
+    objs = objects(overlay)
+    rendered = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    readme = (K8S / "README.md").read_text()
+    refs = references(objs)
+    assert ("Secret", OPERATOR_SECRET, "NATS_URL") in refs
+    for kind, name, key in refs:
+        obj = rendered.get((kind, name))
+        if obj is None and overlay != "dev" and (kind, name) == ("Secret", OPERATOR_SECRET):
+            # Operator-provided: the README's `kubectl create secret` must set the key.
+            assert f"kubectl create secret generic {OPERATOR_SECRET}" in readme
+            assert key is None or f"--from-literal={key}=" in readme, f"k8s/README.md does not set {key}"
+            continue
+        assert obj is not None, f"{overlay}: {kind}/{name} is referenced but not rendered"
+        if key is not None:
+            assert key in obj.get("data", {}), f"{overlay}: {kind}/{name} has no key {key}"
+
+
+def test_prod_expects_the_operator_secret_and_managed_variant_drops_the_datastores():
+    assert not any(o["kind"] == "Secret" for o in objects("prod"))
+    names = {(o["kind"], o["metadata"]["name"]) for o in objects("prod-managed")}
+    for kind in ("StatefulSet", "Service", "NetworkPolicy"):
+        assert (kind, "nats") not in names and (kind, "postgres") not in names
+    assert ("StatefulSet", "worker") in names
+
+
+def test_nats_requires_the_password_the_services_use():
+    objs = objects("dev")
+    [conf] = [o["data"]["nats.conf"] for o in objs
+              if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("nats-config")]
+    auth = conf[conf.index("authorization"):]
+    assert "user: layercast" in auth and "password: $NATS_PASSWORD" in auth
+    nats = find(objs, "StatefulSet", "nats")["spec"]["template"]["spec"]["containers"][0]
+    ref = env_of(nats)["NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == (OPERATOR_SECRET, "NATS_PASSWORD")
+    secret = {k: base64.b64decode(v).decode() for k, v in find(objs, "Secret", OPERATOR_SECRET)["data"].items()}
+    nats_url, db_url = urlsplit(secret["NATS_URL"]), urlsplit(secret["DATABASE_URL"])
+    assert (nats_url.username, nats_url.password, nats_url.hostname) == ("layercast", secret["NATS_PASSWORD"], "nats")
+    assert (db_url.password, db_url.hostname) == (secret["POSTGRES_PASSWORD"], "postgres")

@@ -1,0 +1,162 @@
+"""A scale-in that picks an instance still loading: the worker ends the load early and the
+instance is stopped, never served (against real NATS, Postgres and a real checkpoint)."""
+
+import asyncio
+import os
+import shutil
+import time
+
+from libs.checkpoint import CheckpointIndex
+from libs.checkpoint import fastload
+from libs.checkpoint import loader as loader_module
+from libs.protocol import messages as m
+from libs.protocol import subjects
+from libs.bus.broker import call
+from services.worker.service import WorkerConfig, WorkerService
+from test_registry import client, collect, started  # noqa: F401 - the client fixture
+
+LOAD_S = 4.0  # the paced load's length: long enough to be stopped in the middle
+
+
+def of_instance(events: list[m.InstanceEvent], instance_id: str) -> list[m.InstanceEvent]:
+    return [ev for ev in events if ev.instance.instance_id == instance_id]
+
+
+def stopped(events: list[m.InstanceEvent], instance_id: str) -> bool:
+    return any(ev.instance.state == m.InstanceState.stopped for ev in of_instance(events, instance_id))
+
+
+async def until(condition, timeout_s: float) -> None:
+    """Wait for `condition()` (or the timeout: the assertions after it say what was missing)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
+async def test_unloading_a_loading_instance_stops_its_load(database_url, nats_url, client, tiny_checkpoint):  # noqa: F811
+    index = CheckpointIndex.load(tiny_checkpoint)
+    total = sum(index.block(b).nbytes for b in range(index.n_blocks))
+    seen: list[m.InstanceEvent] = []
+    sub = await collect(client, subjects.EVENT_INSTANCE, m.InstanceEvent, seen)
+    reg = await started(database_url, nats_url)
+    worker = WorkerService(WorkerConfig(
+        worker_id="w-cut", serve_while_loading=False, kv_cache_bytes=8 << 20,
+        emulated_host_to_device_mbit=total * 8 / 1e6 / LOAD_S), nats_url)
+    await worker.start()
+    try:
+        command = subjects.worker_command("w-cut")
+        load = m.LoadModel(instance_id="i-cut", model="demo", path=str(tiny_checkpoint),
+                           block_start=0, block_end=index.n_blocks)
+        assert (await call(client, command, load, m.CommandAck)).accepted
+        await asyncio.sleep(0.3)
+        ack = await call(client, command, m.UnloadModel(instance_id="i-cut"), m.CommandAck)
+        assert ack.accepted and ack.detail == "load cancelled"
+        await until(lambda: stopped(seen, "i-cut"), LOAD_S * 2)
+        await asyncio.sleep(0.5)  # anything the load would still publish
+        states = [ev.instance.state for ev in of_instance(seen, "i-cut")]
+        assert states[-1] == m.InstanceState.stopped, states
+        assert m.InstanceState.ready not in states and "i-cut" not in worker.instances
+        assert not worker._loading and not worker._unload_asked
+        # Its blocks are not pinned any more: the host tier may evict them.
+        assert all(not worker.cache.pinned((load.model, b)) for b in range(index.n_blocks))
+        again = await call(client, command, m.UnloadModel(instance_id="i-cut"), m.CommandAck)
+        assert not again.accepted
+    finally:
+        await sub.stop()
+        await worker.stop()
+        await reg.stop()
+
+
+async def test_a_stop_the_world_load_serves_only_once_every_block_is_loaded(database_url, nats_url, client,  # noqa: F811
+                                                                             tiny_checkpoint):
+    """By default an instance serves from its first block on; a LoadModel that says
+    stop-the-world (the serverlessllm baseline's) is ready only after its last block."""
+    index = CheckpointIndex.load(tiny_checkpoint)
+    total = sum(index.block(b).nbytes for b in range(index.n_blocks))
+    seen: list[m.InstanceEvent] = []
+    sub = await collect(client, subjects.EVENT_INSTANCE, m.InstanceEvent, seen)
+
+    def first_ready(iid: str) -> m.InstanceEvent | None:
+        return next((ev for ev in of_instance(seen, iid) if ev.instance.state == m.InstanceState.ready), None)
+
+    def loaded_at(iid: str) -> float | None:
+        return next((ev.instance.loaded_at for ev in of_instance(seen, iid) if ev.instance.loaded_at), None)
+    reg = await started(database_url, nats_url)
+    worker = WorkerService(WorkerConfig(worker_id="w-stw", kv_cache_bytes=8 << 20,
+                                        emulated_host_to_device_mbit=total * 8 / 1e6 / 2.0), nats_url)
+    await worker.start()
+    try:
+        command = subjects.worker_command("w-stw")
+        for iid, serve in (("i-early", True), ("i-stw", False)):
+            load = m.LoadModel(instance_id=iid, model="demo", path=str(tiny_checkpoint), block_start=0,
+                               block_end=index.n_blocks, serve_while_loading=serve)
+            assert (await call(client, command, load, m.CommandAck)).accepted
+            await until(lambda: first_ready(iid) and loaded_at(iid), 10)
+            assert first_ready(iid) and loaded_at(iid), (iid, of_instance(seen, iid))
+            await call(client, command, m.UnloadModel(instance_id=iid), m.CommandAck)
+        early, stw = first_ready("i-early"), first_ready("i-stw")
+        assert early.reason == "serving, rest loading"
+        assert early.instance.ready_at < loaded_at("i-early") - 0.3  # the paced last block came later
+        assert stw.reason == "loaded"
+        assert stw.instance.ready_at <= loaded_at("i-stw")
+    finally:
+        await sub.stop()
+        await worker.stop()
+        await reg.stop()
+
+
+async def test_unloading_a_load_from_a_slow_disk_stops_its_reads_at_once(database_url, nats_url, client,  # noqa: F811
+                                                                         tiny_checkpoint, monkeypatch):
+    """A stop-the-world load from a slow disk (serverlessllm's, on a throttled disk): the unload
+    cancels the disk reads at once, within the read piece each reader is in, instead of at the
+    end of the block being read; the disk is free for the next load."""
+    index = CheckpointIndex.load(tiny_checkpoint)
+    piece = 64 << 10
+    monkeypatch.setattr(fastload, "READ_PIECE_BYTES", piece)
+    real, reads = os.preadv, []
+
+    def slow_preadv(fd, buffers, offset):
+        reads.append(time.monotonic())
+        time.sleep(0.05)  # 64 KiB per 50 ms and reader: the whole model takes many seconds
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(loader_module.os, "preadv", slow_preadv)
+    seen: list[m.InstanceEvent] = []
+    sub = await collect(client, subjects.EVENT_INSTANCE, m.InstanceEvent, seen)
+    reg = await started(database_url, nats_url)
+    worker = WorkerService(WorkerConfig(worker_id="w-disk", kv_cache_bytes=8 << 20), nats_url)
+    await worker.start()
+    try:
+        command = subjects.worker_command("w-disk")
+        load = m.LoadModel(instance_id="i-disk", model="demo", path=str(tiny_checkpoint), block_start=0,
+                           block_end=index.n_blocks, serve_while_loading=False)
+        assert (await call(client, command, load, m.CommandAck)).accepted
+        await until(lambda: len(reads) >= 8, 30)
+        ack = await call(client, command, m.UnloadModel(instance_id="i-disk"), m.CommandAck)
+        unloaded_at = time.monotonic()
+        assert ack.accepted and ack.detail == "load cancelled"
+        await until(lambda: stopped(seen, "i-disk"), 10)
+        states = [ev.instance.state for ev in of_instance(seen, "i-disk")]
+        assert states[-1] == m.InstanceState.stopped, states
+        assert not worker._loading and not worker._disk_jobs
+        # Reads in flight at the unload finish (one piece per reader); none start later.
+        late = [t for t in reads if t > unloaded_at + 0.2]
+        assert late == [], f"{len(late)} reads after the unload; {len(reads)} in all"
+        assert len(reads) * piece < index.total_nbytes
+    finally:
+        await sub.stop()
+        await worker.stop()
+        await reg.stop()
+
+
+def test_a_workers_free_disk_moving_within_a_gib_is_not_a_change(monkeypatch, nats_url):
+    """Heartbeats re-register the worker, and a registration that differs counts as a change to
+    the cluster view (the planner's kept view goes stale). Free disk moves with every log line,
+    so it is reported in whole GiB."""
+    worker = WorkerService(WorkerConfig(worker_id="w-disk-free"), nats_url)
+    usage = shutil.disk_usage(".")
+    for free in ((7 << 30) + 12345, (7 << 30) + (900 << 20), 7 << 30):
+        monkeypatch.setattr(shutil, "disk_usage", lambda _path, free=free: usage._replace(free=free))
+        assert worker._registration()["capacities"][m.Tier.ssd] == 7 << 30
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage._replace(free=(8 << 30) + 1))
+    assert worker._registration()["capacities"][m.Tier.ssd] == 8 << 30
