@@ -4,11 +4,10 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 
+from libs.bus.broker import RemoteError, make_broker, start_broker
 from libs.protocol import subjects
-from libs.bus.broker import make_broker, start_broker
-
 from libs.telemetry import HealthServer, setup_logging, setup_tracing
 
 log = logging.getLogger(__name__)
@@ -41,6 +40,34 @@ class Service:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    async def every(self, period: float | Callable[[], float] | None, fn: Callable[[], Awaitable[object]], what: str,
+                    *, wake: asyncio.Event | None = None, first_now: bool = False) -> None:
+        """A periodic loop for background(): `fn` every `period` seconds (a number, or a function
+        giving the next wait; None: only when woken), at once when `wake` is set, first without waiting if `first_now`.
+        A failure is logged and the loop goes on: one bad pass must not stop a service."""
+        wait = not first_now
+        while True:
+            if wait:
+                seconds = period() if callable(period) else period
+                if wake is not None and seconds is None:
+                    await wake.wait()
+                    wake.clear()
+                elif wake is None:
+                    await asyncio.sleep(seconds)
+                else:
+                    try:
+                        await asyncio.wait_for(wake.wait(), seconds)
+                    except TimeoutError:
+                        pass
+                    wake.clear()
+            wait = True
+            try:
+                await fn()
+            except (TimeoutError, RemoteError) as e:  # a peer away or slow: expected, no traceback
+                log.warning("%s: %s failed: %s", self.name, what, e)
+            except Exception:
+                log.exception("%s: %s failed", self.name, what)
 
     async def stop(self) -> None:
         self._started = False

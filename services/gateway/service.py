@@ -196,7 +196,10 @@ class GatewayService(Service):
         return self._synced
 
     def background(self) -> list:
-        return [self._resync_loop(), self._metrics_loop()]
+        return [self.every(lambda: self.config.resync_interval_s if self._synced else 0.5, self.resync, "registry resync",
+                           first_now=True),
+                self.every(self.config.metrics_interval_s, self.publish_metrics, "publishing gateway metrics",
+                           wake=self._demand)]
 
     # --- model table -------------------------------------------------------------------
     async def add_model(self, info: m.ModelInfo) -> ModelEntry:
@@ -273,26 +276,6 @@ class GatewayService(Service):
             for iid in [i for i in entry.routes.routes if i not in live]:
                 self._drop_route(entry, iid, "instance no longer in the registry")
         self._synced = True
-
-    async def _resync_loop(self) -> None:
-        while True:
-            try:
-                await self.resync()
-            except Exception as e:
-                log.warning("registry resync failed: %s", e)
-            await asyncio.sleep(self.config.resync_interval_s if self._synced else 0.5)
-
-    async def _metrics_loop(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self._demand.wait(), self.config.metrics_interval_s)
-            except TimeoutError:
-                pass
-            self._demand.clear()
-            try:
-                await self.publish_metrics()
-            except Exception:
-                log.exception("publishing gateway metrics failed")
 
     async def publish_metrics(self) -> None:
         loads = []

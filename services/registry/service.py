@@ -34,7 +34,8 @@ class RegistryService(Service):
         self._subscribe()
 
     def background(self) -> list:
-        return [self._expire_loop(), self._announce_loop()]
+        return [self.every(min(1.0, self.heartbeat_ttl_s / 3), self._expire_pass, "heartbeat expiry pass"),
+                self.every(None, self.announce, "announcing a cluster change", wake=self._changed)]
 
     async def start(self) -> None:
         # Alembic is synchronous; run it off the event loop.
@@ -49,26 +50,15 @@ class RegistryService(Service):
         if self.engine is not None:
             await self.engine.dispose()
 
-    async def _expire_loop(self) -> None:
-        while True:
-            await asyncio.sleep(min(1.0, self.heartbeat_ttl_s / 3))
-            try:
-                await self.expire_once()
-                await self.update_gauges()
-            except Exception:
-                log.exception("heartbeat expiry pass failed")
+    async def _expire_pass(self) -> None:
+        await self.expire_once()
+        await self.update_gauges()
 
-    async def _announce_loop(self) -> None:
+    async def announce(self) -> None:
         """Publish the change count after changes (several at once go out as one): planners
         keep their cluster view until it is behind this count."""
-        while True:
-            await self._changed.wait()
-            self._changed.clear()
-            try:
-                await publish(self.broker, subjects.EVENT_CLUSTER_CHANGED,
-                              m.ClusterChanged(epoch=self.store.epoch, changes=self.store.changes))
-            except Exception:
-                log.exception("announcing a cluster change failed")
+        await publish(self.broker, subjects.EVENT_CLUSTER_CHANGED,
+                      m.ClusterChanged(epoch=self.store.epoch, changes=self.store.changes))
 
     async def update_gauges(self) -> None:
         WORKERS.set(len(await self.store.list_workers()))
