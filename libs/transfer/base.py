@@ -22,14 +22,12 @@ from collections.abc import Callable
 
 import torch
 
+from libs.transfer.errors import TransferError  # noqa: F401  (re-exported: the transports' error)
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # bulk transfers move ~1 MiB per frame
 FORGOTTEN_OPS_KEPT = 4096
-
-
-class TransferError(RuntimeError):
-    """An operation cannot complete: a peer was lost, a stream broke or stalled, a block is corrupt."""
 
 
 def _byte_view(buffer: torch.Tensor | memoryview | bytearray) -> memoryview:

@@ -4,8 +4,10 @@ Sources: λScale (§6) moves model blocks with a libibverbs transfer library tha
 *pulls* them with one-sided RDMA READs; BlitzScale (§3–4) scales through the RDMA
 compute network between GPU servers. This module gives the plan executors the
 same :class:`~libs.transfer.base.Transport` interface as TCP, built on rdma-core's
-Python bindings (pyverbs, the ``rdma`` extra). pyverbs is imported lazily, so this
-module imports (and its pure helpers run) on machines without it.
+Python bindings (pyverbs, the ``rdma`` extra). pyverbs is imported lazily
+(:mod:`~libs.transfer.rdma.verbs`), so this module imports on machines without it;
+the wire format is :mod:`~libs.transfer.rdma.codec`, the memory regions
+:mod:`~libs.transfer.rdma.memory`.
 
 How it works
 ------------
@@ -59,49 +61,59 @@ must match the installed rdma-core (libibverbs) version.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import queue
 import random
-import re
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from libs.transfer.base import BlockSlot, Transport, TransferError
+from libs.transfer.base import BlockSlot, TransferError, Transport
+
+# verbs.load_verbs is looked up at call time, so a fake verbs layer patched into that module reaches us too
+from libs.transfer.rdma import verbs
+from libs.transfer.rdma.codec import (
+    CTRL_FRAME_BYTES,
+    GID_RE,
+    MAX_TOKENS,
+    MAX_UNITS,
+    ZERO_GID,
+    ConnectionInfo,
+    FrameAssembler,
+    RdmaProtocolError,
+    decode_imm,
+    encode_control_frame,
+    encode_imm,
+    fragment_message,
+    imm_end_offset,
+    imm_granule,
+    is_superseded_reply,
+    make_control,
+    mtu_from_enum,
+    mtu_to_enum,
+    next_write_end,
+    split_work_requests,
+    superseded_reply,
+)
+from libs.transfer.rdma.memory import MrCache, Registration, buffer_address
+from libs.transfer.rdma.verbs import close_quietly
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
-
-# Immediate data (32 bits): which inbound stream, and where the span it ends stops (in granules).
-# Carrying the end offset keeps the receiver independent of wc.byte_len, which not every provider fills.
-IMM_TOKEN_BITS = 14
-IMM_UNIT_BITS = 18
-MAX_TOKENS = 1 << IMM_TOKEN_BITS   # concurrent inbound WRITE streams per transport
-MAX_UNITS = 1 << IMM_UNIT_BITS     # a block spans fewer granules than this; big blocks get big granules
-
 MAX_WR_BYTES = 1 << 30  # one work request never moves more, whatever the port allows (2^31)
-MTU_ENUM_TO_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}  # ibv_mtu
-MTU_BYTES_TO_ENUM = {b: e for e, b in MTU_ENUM_TO_BYTES.items()}
-ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
-_GID_RE = re.compile(r"^[0-9a-fA-F]{4}(:[0-9a-fA-F]{4}){7}$")
 
 # Queue sizes. Every WR is signalled, so the CQ must hold all of them at once.
 BULK_SQ_DEPTH = 128
 BULK_RQ_DEPTH = 256   # receives consumed by WRITE_WITH_IMM
 CTRL_SQ_DEPTH = 64
 CTRL_RQ_DEPTH = 64
-CTRL_FRAME_BYTES = 32 * 1024  # one SEND; larger messages are fragmented
 SEND_POOL_FRAMES = 256        # registered send buffers shared by all peers
 CQ_ENTRIES = 1 << 16
 POLL_BATCH = 64
@@ -121,491 +133,11 @@ PENDING_OFFER_TTL_S = 600.0
 GRAVE_TTL_S = 60.0
 HOUSEKEEPING_S = 1.0
 ADMISSION_POLL_S = 0.005   # how often held slots are checked for admission while offers wait
-MAX_MESSAGE_BYTES = 1 << 30
 
 _RECV_FLAG = 1 << 63
 _CTRL, _BULK = 1, 2
 _ACTIVE, _FAILED, _FORGOTTEN, _ABORTED = "active", "failed", "forgotten", "aborted"
 _STOP = object()
-
-
-class RdmaProtocolError(TransferError):
-    """A peer sent connection data, a control message or a frame that does not parse."""
-
-
-# --------------------------------------------------------------------------------------
-# Pure helpers: chunking, immediates, MTU, buffer addresses
-# --------------------------------------------------------------------------------------
-
-def imm_granule(nbytes: int) -> int:
-    """Smallest power of two `g` such that every end offset of a block of `nbytes` fits the immediate in units of g."""
-    if nbytes < 0:
-        raise ValueError(f"nbytes must not be negative, got {nbytes}")
-    g = 1
-    while -(-nbytes // g) >= MAX_UNITS:
-        g <<= 1
-    return g
-
-
-def next_write_end(offset: int, filled: int, nbytes: int, chunk: int, granule: int) -> int:
-    """Where the next WRITE span from `offset` ends: what is in place, up to a chunk, on a granule
-    boundary (the immediate names ends in granules) unless it is the end of the block.
-
-    Returns `offset` when less than a granule is in place and the block is not all there.
-    """
-    if chunk < granule or chunk <= 0:
-        raise ValueError(f"chunk {chunk} must be positive and at least the granule {granule}")
-    if not 0 <= offset <= filled <= nbytes:
-        raise ValueError(f"bad watermarks: offset {offset}, filled {filled}, nbytes {nbytes}")
-    end = min(offset + chunk, filled)
-    if end < nbytes:
-        end -= end % granule
-    return max(end, offset)
-
-
-def imm_end_offset(units: int, granule: int, nbytes: int) -> int:
-    """The byte offset an immediate's end (in granules) stands for."""
-    return min(units * granule, nbytes)
-
-
-def split_work_requests(offset: int, length: int, max_msg: int) -> list[tuple[int, int]]:
-    """Cut bytes [offset, offset+length) into work requests of at most `max_msg` bytes each."""
-    if max_msg <= 0:
-        raise ValueError(f"max_msg must be positive, got {max_msg}")
-    if offset < 0 or length < 0:
-        raise ValueError(f"bad span: offset {offset}, length {length}")
-    return [(start, min(max_msg, offset + length - start)) for start in range(offset, offset + length, max_msg)]
-
-
-def encode_imm(token: int, units: int) -> int:
-    """Immediate data of a WRITE_WITH_IMM: the stream token (high bits) and the span's end in granules (low bits).
-
-    Host order; the transport puts it on the wire with htonl and reads it back with ntohl.
-    """
-    if not 0 <= token < MAX_TOKENS:
-        raise ValueError(f"stream token {token} outside [0, {MAX_TOKENS})")
-    if not 0 <= units < MAX_UNITS:
-        raise ValueError(f"end offset of {units} granules outside [0, {MAX_UNITS})")
-    return (token << IMM_UNIT_BITS) | units
-
-
-def decode_imm(imm: int) -> tuple[int, int]:
-    """(token, end in granules) from immediate data (host byte order)."""
-    if not 0 <= imm < 1 << 32:
-        raise ValueError(f"immediate data {imm} is not a 32-bit value")
-    return imm >> IMM_UNIT_BITS, imm & (MAX_UNITS - 1)
-
-
-def mtu_to_enum(mtu_bytes: int) -> int:
-    """ibv_mtu value for an MTU in bytes (256 … 4096)."""
-    try:
-        return MTU_BYTES_TO_ENUM[mtu_bytes]
-    except KeyError:
-        raise ValueError(f"not an RDMA MTU: {mtu_bytes} (one of {sorted(MTU_BYTES_TO_ENUM)})") from None
-
-
-def mtu_from_enum(value: int) -> int:
-    """MTU in bytes for an ibv_mtu value."""
-    try:
-        return MTU_ENUM_TO_BYTES[int(value)]
-    except KeyError:
-        raise ValueError(f"not an ibv_mtu value: {value}") from None
-
-
-def buffer_address(view: memoryview | bytearray | bytes | np.ndarray) -> int:
-    """Virtual address of the first byte of a contiguous buffer (read-only buffers too)."""
-    arr = view if isinstance(view, np.ndarray) else np.frombuffer(view, dtype=np.uint8)
-    if not arr.flags.c_contiguous:
-        raise ValueError("buffer must be contiguous")
-    return int(arr.ctypes.data)
-
-
-# --------------------------------------------------------------------------------------
-# Connection data carried by `exchange` (JSON-safe dicts)
-# --------------------------------------------------------------------------------------
-
-def _field(d: dict, name: str, kind: type, lo: int | None = None, hi: int | None = None, what: str = "") -> Any:
-    if name not in d:
-        raise RdmaProtocolError(f"{what}: field {name!r} is missing")
-    value = d[name]
-    # bool is an int subclass; a JSON true must not pass as a QP number
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise RdmaProtocolError(f"{what}: field {name!r} must be an integer, got {value!r}")
-    if kind is not int and not isinstance(value, kind):
-        raise RdmaProtocolError(f"{what}: field {name!r} must be {kind.__name__}, got {value!r}")
-    if lo is not None and value < lo or hi is not None and value > hi:
-        raise RdmaProtocolError(f"{what}: field {name!r} = {value} outside [{lo}, {hi}]")
-    return value
-
-
-@dataclass(frozen=True)
-class ConnectionInfo:
-    """What a peer needs to connect its two RC QPs to ours."""
-
-    node: str
-    lid: int          # 0 on RoCE
-    gid: str          # 8 groups of 4 hex digits; all zero when the port has no GID
-    mtu: int          # active MTU in bytes
-    max_msg: int      # largest message the port takes
-    bulk_qpn: int
-    bulk_psn: int
-    ctrl_qpn: int
-    ctrl_psn: int
-
-    def to_dict(self) -> dict:
-        return {"v": PROTOCOL_VERSION, "node": self.node, "lid": self.lid, "gid": self.gid, "mtu": self.mtu,
-                "max_msg": self.max_msg, "bulk_qpn": self.bulk_qpn, "bulk_psn": self.bulk_psn,
-                "ctrl_qpn": self.ctrl_qpn, "ctrl_psn": self.ctrl_psn}
-
-    @classmethod
-    def from_dict(cls, d: Any) -> ConnectionInfo:
-        """Validate and parse; raises RdmaProtocolError naming the bad field."""
-        what = "RDMA connection info"
-        if not isinstance(d, dict):
-            raise RdmaProtocolError(f"{what} must be a dict, got {type(d).__name__}")
-        if isinstance(d.get("node"), str):
-            what = f"RDMA connection info from {d['node']!r}"
-        version = _field(d, "v", int, what=what)
-        if version != PROTOCOL_VERSION:
-            raise RdmaProtocolError(f"{what}: protocol version {version}, this node speaks {PROTOCOL_VERSION}")
-        node = _field(d, "node", str, what=what)
-        if not node:
-            raise RdmaProtocolError(f"{what}: field 'node' is empty")
-        gid = _field(d, "gid", str, what=what)
-        if not _GID_RE.match(gid):
-            raise RdmaProtocolError(f"{what}: field 'gid' = {gid!r} is not 8 groups of 4 hex digits")
-        mtu = _field(d, "mtu", int, what=what)
-        if mtu not in MTU_BYTES_TO_ENUM:
-            raise RdmaProtocolError(f"{what}: field 'mtu' = {mtu} is not one of {sorted(MTU_BYTES_TO_ENUM)}")
-        return cls(
-            node=node,
-            lid=_field(d, "lid", int, 0, 0xFFFF, what),
-            gid=gid.lower(),
-            mtu=mtu,
-            max_msg=_field(d, "max_msg", int, 1, 1 << 32, what),
-            bulk_qpn=_field(d, "bulk_qpn", int, 1, 0xFFFFFF, what),
-            bulk_psn=_field(d, "bulk_psn", int, 0, 0xFFFFFF, what),
-            ctrl_qpn=_field(d, "ctrl_qpn", int, 1, 0xFFFFFF, what),
-            ctrl_psn=_field(d, "ctrl_psn", int, 0, 0xFFFFFF, what),
-        )
-
-
-def encode_connection_info(info: ConnectionInfo) -> dict:
-    return info.to_dict()
-
-
-def decode_connection_info(d: Any) -> ConnectionInfo:
-    return ConnectionInfo.from_dict(d)
-
-
-def superseded_reply(node: str) -> dict:
-    """accept_exchange's answer when both ends connect at once and this end's attempt wins."""
-    return {"v": PROTOCOL_VERSION, "node": node, "superseded": True}
-
-
-def is_superseded_reply(d: Any) -> bool:
-    return isinstance(d, dict) and d.get("superseded") is True
-
-
-# --------------------------------------------------------------------------------------
-# Control messages and ctrl-QP frames
-# --------------------------------------------------------------------------------------
-
-_KEY = {"op": str, "block": int}
-_CONTROL_SCHEMA: dict[str, dict[str, type]] = {
-    "hello": {},
-    "offer": {**_KEY, "nbytes": int, "chunk": int, "granule": int, "mode": str, "addr": int, "rkey": int},
-    "ready": {**_KEY, "token": int, "addr": int, "rkey": int},
-    "refuse": {**_KEY, "reason": str},
-    "revoke": {**_KEY, "reason": str},
-    "avail": {**_KEY, "upto": int},
-    "done": {**_KEY, "ok": bool, "reason": str},
-    "abort": {**_KEY, "reason": str},
-}
-_RANGES = {"block": (0, None), "nbytes": (0, None), "chunk": (1, None), "granule": (1, None),
-           "addr": (0, (1 << 64) - 1),
-           "rkey": (0, (1 << 32) - 1), "token": (0, MAX_TOKENS - 1), "upto": (0, None)}
-
-
-def validate_control(msg: Any) -> dict:
-    """Check a control message against its schema; returns it, raises RdmaProtocolError."""
-    if not isinstance(msg, dict):
-        raise RdmaProtocolError(f"control message must be a dict, got {type(msg).__name__}")
-    t = msg.get("t")
-    if t not in _CONTROL_SCHEMA:
-        raise RdmaProtocolError(f"unknown control message type {t!r}")
-    what = f"control message {t!r}"
-    for name, kind in _CONTROL_SCHEMA[t].items():
-        lo, hi = _RANGES.get(name, (None, None))
-        _field(msg, name, kind, lo, hi, what)
-    if t == "offer" and msg["mode"] not in ("write", "read"):
-        raise RdmaProtocolError(f"{what}: mode {msg['mode']!r} is neither 'write' nor 'read'")
-    return msg
-
-
-def make_control(t: str, **fields: Any) -> dict:
-    return validate_control({"t": t, **fields})
-
-
-_FRAME = struct.Struct("!BB")  # kind, flags
-_CHANNEL_LEN = struct.Struct("!H")
-FRAME_CONTROL, FRAME_MESSAGE, FRAME_CONTINUATION = 1, 2, 3
-FLAG_MORE = 1
-
-
-def encode_control_frame(msg: dict) -> bytes:
-    return _FRAME.pack(FRAME_CONTROL, 0) + json.dumps(validate_control(msg), separators=(",", ":")).encode()
-
-
-def fragment_message(channel: str, payload: bytes, frame_bytes: int = CTRL_FRAME_BYTES) -> list[bytes]:
-    """Frames carrying one application message: a first frame with the channel, then continuations."""
-    ch = channel.encode()
-    if len(ch) > 0xFFFF:
-        raise ValueError("channel name too long")
-    head = _FRAME.size + _CHANNEL_LEN.size + len(ch)
-    if frame_bytes <= head:
-        raise ValueError(f"frames of {frame_bytes} bytes cannot carry channel {channel!r}")
-    data = memoryview(payload).cast("B")
-    first = data[:frame_bytes - head]
-    rest = data[len(first):]
-    room = frame_bytes - _FRAME.size
-    frames = [_FRAME.pack(FRAME_MESSAGE, FLAG_MORE if len(rest) else 0) + _CHANNEL_LEN.pack(len(ch)) + ch
-              + bytes(first)]
-    for start in range(0, len(rest), room):
-        piece = rest[start:start + room]
-        more = FLAG_MORE if start + room < len(rest) else 0
-        frames.append(_FRAME.pack(FRAME_CONTINUATION, more) + bytes(piece))
-    return frames
-
-
-class FrameAssembler:
-    """Turns the frames of one ctrl QP (in order) back into control messages and application messages."""
-
-    def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
-        self._max = max_message_bytes
-        self._channel: str | None = None
-        self._parts: list[bytes] = []
-        self._size = 0
-
-    def feed(self, frame: bytes) -> tuple[str, Any] | None:
-        """("control", dict) or ("message", (channel, payload)) when something is complete, else None."""
-        if len(frame) < _FRAME.size:
-            raise RdmaProtocolError(f"frame of {len(frame)} bytes is shorter than its header")
-        kind, flags = _FRAME.unpack_from(frame)
-        body = frame[_FRAME.size:]
-        more = bool(flags & FLAG_MORE)
-        if kind == FRAME_CONTROL:
-            if more:
-                raise RdmaProtocolError("control frames are never fragmented")
-            try:
-                msg = json.loads(body)
-            except ValueError as exc:
-                raise RdmaProtocolError(f"control frame is not JSON: {exc}") from None
-            return "control", validate_control(msg)
-        if kind == FRAME_MESSAGE:
-            if self._channel is not None:
-                raise RdmaProtocolError(f"new message before message on {self._channel!r} ended")
-            if len(body) < _CHANNEL_LEN.size:
-                raise RdmaProtocolError("message frame too short for its channel length")
-            (n,) = _CHANNEL_LEN.unpack_from(body)
-            if len(body) < _CHANNEL_LEN.size + n:
-                raise RdmaProtocolError("message frame too short for its channel name")
-            try:
-                channel = body[_CHANNEL_LEN.size:_CHANNEL_LEN.size + n].decode()
-            except UnicodeDecodeError:
-                raise RdmaProtocolError("channel name is not UTF-8") from None
-            data = body[_CHANNEL_LEN.size + n:]
-            if not more:
-                return "message", (channel, bytes(data))
-            self._channel, self._parts, self._size = channel, [bytes(data)], len(data)
-            return None
-        if kind == FRAME_CONTINUATION:
-            if self._channel is None:
-                raise RdmaProtocolError("continuation frame without a message")
-            self._size += len(body)
-            if self._size > self._max:
-                raise RdmaProtocolError(f"message on {self._channel!r} exceeds {self._max} bytes")
-            self._parts.append(bytes(body))
-            if more:
-                return None
-            channel, payload = self._channel, b"".join(self._parts)
-            self._channel, self._parts, self._size = None, [], 0
-            return "message", (channel, payload)
-        raise RdmaProtocolError(f"unknown frame kind {kind}")
-
-
-# --------------------------------------------------------------------------------------
-# Memory registrations
-# --------------------------------------------------------------------------------------
-
-@dataclass(eq=False)
-class Registration:
-    """One registered memory region over a buffer, shared by the transfers that use it."""
-
-    addr: int
-    length: int
-    access: int
-    lkey: int
-    rkey: int
-    handle: Any
-    owner: Any = field(repr=False, default=None)  # keeps the memory alive (and its address unreused)
-    refs: int = 0
-
-
-class MrCache:
-    """Reference-counted memory registrations keyed by (address, length).
-
-    `register(addr, length, access)` returns an object with `lkey`, `rkey` and
-    `close()` (a pyverbs MR). A registration whose access flags include what is
-    asked for is shared; the last release deregisters it.
-    """
-
-    def __init__(self, register: Callable[[int, int, int], Any]) -> None:
-        self._register = register
-        self._regs: dict[tuple[int, int], list[Registration]] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def acquire(self, view: memoryview, access: int, owner: Any = None) -> Registration:
-        length = len(view)
-        if length == 0:
-            raise ValueError("cannot register an empty buffer")
-        addr = buffer_address(view)
-        # Registration pins pages and can take milliseconds; holding the lock keeps one MR per buffer.
-        with self._lock:
-            if self._closed:
-                raise TransferError("memory registrations are closed")
-            for reg in self._regs.get((addr, length), ()):
-                if reg.access & access == access:
-                    reg.refs += 1
-                    return reg
-            try:
-                handle = self._register(addr, length, access)
-            except TransferError:
-                raise
-            except Exception as exc:
-                raise TransferError(f"registering {length} bytes at {addr:#x} for RDMA failed: {exc}") from exc
-            reg = Registration(addr, length, access, int(handle.lkey), int(handle.rkey), handle,
-                               owner if owner is not None else view, 1)
-            self._regs.setdefault((addr, length), []).append(reg)
-            return reg
-
-    def lookup(self, view: memoryview, access: int) -> Registration | None:
-        """The registration `acquire` would share for `view`, without taking a reference."""
-        if len(view) == 0:
-            return None
-        addr = buffer_address(view)
-        with self._lock:
-            for reg in self._regs.get((addr, len(view)), ()):
-                if reg.access & access == access:
-                    return reg
-        return None
-
-    def release(self, reg: Registration) -> None:
-        with self._lock:
-            reg.refs -= 1
-            if reg.refs > 0:
-                return
-            regs = self._regs.get((reg.addr, reg.length), [])
-            if reg not in regs:
-                return  # closed already
-            regs.remove(reg)
-            if not regs:
-                del self._regs[(reg.addr, reg.length)]
-        _close_quietly(reg.handle)
-        reg.owner = None
-
-    def close_all(self) -> None:
-        with self._lock:
-            self._closed = True
-            regs = [r for rs in self._regs.values() for r in rs]
-            self._regs.clear()
-        for reg in regs:
-            _close_quietly(reg.handle)
-            reg.owner = None
-
-    def __len__(self) -> int:
-        with self._lock:
-            return sum(len(rs) for rs in self._regs.values())
-
-
-def _close_quietly(obj: Any) -> None:
-    if obj is None:
-        return
-    try:
-        obj.close()
-    except Exception as exc:  # teardown goes on; the kernel reclaims what is left at exit
-        log.debug("closing %s failed: %s", type(obj).__name__, exc)
-
-
-# --------------------------------------------------------------------------------------
-# pyverbs, imported lazily
-# --------------------------------------------------------------------------------------
-
-def _import_failure(exc: ImportError) -> str:
-    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "pyverbs":
-        return "pyverbs is not installed (pip install 'layercast[rdma]', which builds rdma-core's Python bindings)"
-    return (f"pyverbs is installed but does not load ({exc}); its build must match the system's "
-            f"rdma-core/libibverbs version")
-
-
-def _load_verbs() -> SimpleNamespace:
-    """The pyverbs classes and constants this module uses; TransferError with the reason if unavailable."""
-    try:
-        import pyverbs.device as device
-        from pyverbs.addr import GID, AHAttr, GlobalRoute
-        from pyverbs.cq import CQ, CompChannel
-        from pyverbs.mr import MR
-        from pyverbs.pd import PD
-        from pyverbs.pyverbs_error import PyverbsError
-        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
-        from pyverbs.wr import SGE, RecvWR, SendWR
-        try:
-            import pyverbs.libibverbs_enums as enums
-        except ImportError:  # rdma-core before v37 named the module pyverbs.enums
-            import pyverbs.enums as enums
-        try:
-            from pyverbs.cq import cqe_status_to_str
-        except ImportError:
-            cqe_status_to_str = None
-    except ImportError as exc:
-        raise TransferError(_import_failure(exc)) from exc
-
-    def status_text(status: int) -> str:
-        if cqe_status_to_str is not None:
-            try:
-                return f"{cqe_status_to_str(status)} (status {status})"
-            except Exception:
-                pass
-        return f"completion status {status}"
-
-    return SimpleNamespace(device=device, GID=GID, AHAttr=AHAttr, GlobalRoute=GlobalRoute, CQ=CQ,
-                           CompChannel=CompChannel, MR=MR, PD=PD, PyverbsError=PyverbsError, QP=QP,
-                           QPAttr=QPAttr, QPCap=QPCap, QPInitAttr=QPInitAttr, SGE=SGE, RecvWR=RecvWR,
-                           SendWR=SendWR, e=enums, status_text=status_text)
-
-
-def _device_name(dev: Any) -> str:
-    name = dev.name
-    return name.decode() if isinstance(name, bytes) else str(name)
-
-
-def rdma_available(device_name: str | None = None) -> tuple[bool, str]:
-    """(True, devices) when pyverbs loads and an RDMA device (the named one, if given) exists; else (False, why)."""
-    try:
-        v = _load_verbs()
-    except TransferError as exc:
-        return False, str(exc)
-    try:
-        names = [_device_name(d) for d in v.device.get_device_list()]
-    except Exception as exc:  # libibverbs fails the listing when no RDMA driver is loaded at all
-        return False, (f"pyverbs loads but listing RDMA devices failed ({exc}): no RDMA NIC, "
-                       f"rxe or siw device is configured")
-    if not names:
-        return False, "pyverbs loads but no RDMA device is present (ibv_get_device_list found none)"
-    if device_name is not None and device_name not in names:
-        return False, f"RDMA device {device_name!r} not found (present: {', '.join(names)})"
-    return True, f"RDMA device(s): {', '.join(names)}"
 
 
 # --------------------------------------------------------------------------------------
@@ -731,7 +263,7 @@ class _Conn:
                 return
             self.destroyed = True
             for obj in (self.bulk_qp, self.ctrl_qp, self.ring_mr):
-                _close_quietly(obj)
+                close_quietly(obj)
 
 
 class _OutStream:
@@ -839,10 +371,10 @@ class RdmaTransport(Transport):
         self._exchange = exchange
         self._port = port
         self._gid_index = gid_index
-        self._v = _load_verbs()
+        self._v = verbs.load_verbs()
         v, e = self._v, self._v.e
         try:
-            names = [_device_name(d) for d in v.device.get_device_list()]
+            names = verbs.device_names(v)
         except Exception as exc:
             raise TransferError(f"cannot list RDMA devices: {exc}") from exc
         if not names:
@@ -863,7 +395,7 @@ class RdmaTransport(Transport):
             if int(pattr.state) != int(e.IBV_PORT_ACTIVE):
                 raise TransferError(f"port {port} of {self._device} is not active (state {pattr.state})")
             self._gid = str(self._ctx.query_gid(port, gid_index)).lower()
-            if not _GID_RE.match(self._gid):
+            if not GID_RE.match(self._gid):
                 raise TransferError(f"GID {gid_index} of {self._device} port {port} reads as {self._gid!r}")
             if self._gid == ZERO_GID and int(pattr.link_layer) == int(e.IBV_LINK_LAYER_ETHERNET):
                 # RoCE needs a GRH, i.e. a populated GID (RoCEv2 between hosts: usually an IPv4-mapped one)
@@ -1949,4 +1481,4 @@ class RdmaTransport(Transport):
         for name in ("_pool_mr", "_cq", "_channel", "_pd", "_ctx"):
             obj = getattr(self, name, None)
             setattr(self, name, None)
-            _close_quietly(obj)
+            close_quietly(obj)

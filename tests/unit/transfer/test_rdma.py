@@ -29,17 +29,14 @@ import numpy as np
 import pytest
 import torch
 
-from libs.transfer.rdma import transport as rdma
 from libs.transfer.base import BlockSlot, TransferError
-from libs.transfer.rdma.transport import (
+from libs.transfer.rdma import verbs
+from libs.transfer.rdma.codec import (
     MAX_TOKENS,
     MAX_UNITS,
     ConnectionInfo,
     FrameAssembler,
-    MrCache,
     RdmaProtocolError,
-    RdmaTransport,
-    buffer_address,
     decode_connection_info,
     decode_imm,
     encode_connection_info,
@@ -53,11 +50,13 @@ from libs.transfer.rdma.transport import (
     mtu_from_enum,
     mtu_to_enum,
     next_write_end,
-    rdma_available,
     split_work_requests,
     superseded_reply,
     validate_control,
 )
+from libs.transfer.rdma.memory import MrCache, buffer_address
+from libs.transfer.rdma.transport import RdmaTransport
+from libs.transfer.rdma.verbs import rdma_available
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -328,18 +327,18 @@ def test_rdma_available_reasons_for_missing_devices(monkeypatch):
     def devices(listing):
         return lambda: SimpleNamespace(device=SimpleNamespace(get_device_list=listing))
 
-    monkeypatch.setattr(rdma, "_load_verbs", devices(lambda: []))
+    monkeypatch.setattr(verbs, "load_verbs", devices(lambda: []))
     ok, reason = rdma_available()
     assert not ok and "no RDMA device is present" in reason
 
     def failing():
         raise RuntimeError("Failed to get devices list")
 
-    monkeypatch.setattr(rdma, "_load_verbs", devices(failing))
+    monkeypatch.setattr(verbs, "load_verbs", devices(failing))
     ok, reason = rdma_available()
     assert not ok and "Failed to get devices list" in reason
 
-    monkeypatch.setattr(rdma, "_load_verbs", devices(lambda: [SimpleNamespace(name=b"mlx5_0")]))
+    monkeypatch.setattr(verbs, "load_verbs", devices(lambda: [SimpleNamespace(name=b"mlx5_0")]))
     assert rdma_available() == (True, "RDMA device(s): mlx5_0")
     ok, reason = rdma_available("mlx5_9")
     assert not ok and "'mlx5_9' not found (present: mlx5_0)" in reason
@@ -347,22 +346,40 @@ def test_rdma_available_reasons_for_missing_devices(monkeypatch):
 
 def test_rdma_available_reports_a_pyverbs_that_does_not_load(monkeypatch):
     def broken():
-        raise TransferError(rdma._import_failure(ImportError("libibverbs.so.1: version `IBVERBS_PRIVATE_59' "
-                                                             "not found")))
+        raise TransferError(verbs._import_failure(ImportError("libibverbs.so.1: version `IBVERBS_PRIVATE_59' "
+                                                              "not found")))
 
-    monkeypatch.setattr(rdma, "_load_verbs", broken)
+    monkeypatch.setattr(verbs, "load_verbs", broken)
     ok, reason = rdma_available()
     assert not ok and "does not load" in reason and "IBVERBS_PRIVATE_59" in reason
 
 
 def test_module_imports_without_pyverbs():
     code = ("import sys; sys.modules['pyverbs'] = None\n"
-            "import libs.transfer.rdma.transport as r\n"
+            "import libs.transfer.rdma.transport\n"
+            "from libs.transfer.rdma import rdma_available\n"
             "assert not any(m.startswith('pyverbs.') for m in sys.modules)\n"
-            "print(r.rdma_available()[1])\n")
+            "print(rdma_available()[1])\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "pyverbs is not installed" in out.stdout
+
+
+def test_codec_imports_and_runs_alone():
+    """The wire codec needs neither pyverbs, torch nor the rest of the RDMA package."""
+    code = ("import json, sys\n"
+            "sys.modules['pyverbs'] = None; sys.modules['torch'] = None\n"
+            "from libs.transfer.errors import TransferError\n"
+            "from libs.transfer.rdma import codec\n"
+            "frame = codec.encode_control_frame(codec.make_control('avail', op='op', block=1, upto=5))\n"
+            "assert codec.FrameAssembler().feed(frame) == ('control', {'t': 'avail', 'op': 'op', 'block': 1, "
+            "'upto': 5})\n"
+            "assert issubclass(codec.RdmaProtocolError, TransferError)\n"
+            "assert not any(m.startswith(('pyverbs.', 'torch.')) for m in sys.modules)\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('libs.transfer.rdma.'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr  # importing pyverbs or torch fails on their None placeholders
+    assert json.loads(out.stdout) == ["libs.transfer.rdma.codec"]  # not the transport, verbs or memory
 
 
 # ======================================================================================
@@ -643,7 +660,7 @@ def fake_verbs(fabric: Fabric) -> SimpleNamespace:
 @pytest.fixture
 def fabric(monkeypatch):
     fab = Fabric(max_msg=96 * 1024)  # smaller than a chunk: chunks go out as several WRs
-    monkeypatch.setattr(rdma, "_load_verbs", lambda: fake_verbs(fab))
+    monkeypatch.setattr(verbs, "load_verbs", lambda: fake_verbs(fab))
     return fab
 
 
