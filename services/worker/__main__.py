@@ -4,6 +4,7 @@ import argparse
 import os
 import socket
 
+from libs.transfer.transports import TRANSPORTS
 from services.common.runner import run
 from services.worker.service import WorkerConfig, WorkerService
 
@@ -35,7 +36,7 @@ def main() -> None:
     p.add_argument("--serve-while-loading", action=argparse.BooleanOptionalAction,
                    default=env("LAYERCAST_SERVE_WHILE_LOADING", "1") not in ("0", "false", "no"),
                    help="announce an instance after its first block and run blocks as they arrive")
-    p.add_argument("--transport", choices=["tcp", "rdma"], default=env("LAYERCAST_TRANSPORT", "tcp"),
+    p.add_argument("--transport", choices=list(TRANSPORTS), default=env("LAYERCAST_TRANSPORT", "tcp"),
                    help="block transfers between workers: tcp, or rdma (the rdma extra and an RDMA device)")
     p.add_argument("--rdma-device", default=env("LAYERCAST_RDMA_DEVICE") or None)
     p.add_argument("--kv-cache-gb", type=float, default=float(env("LAYERCAST_KV_CACHE_GB", "1")),

@@ -2,7 +2,8 @@
 
 Talks to the registry (registration, heartbeats, block and instance events),
 takes load/unload commands from the planner and generate requests from the
-gateway. Torch work runs on the engine thread (runtime.py).
+gateway. Loads run in loading.py, multicasts in transfers.py, torch work on the
+engine thread (runtime.py); this file is the service's shell around them.
 """
 
 import asyncio
@@ -12,13 +13,13 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge
 
-from libs.checkpoint import CheckpointIndex
 from libs.checkpoint.hostmem import HostArena
 from libs.checkpoint.pacing import make_pacer
 from libs.checkpoint.fastload import (
@@ -27,19 +28,19 @@ from libs.checkpoint.fastload import (
     BlockLoader,
     LoaderConfig,
     LoadJob,
-    copy_to_device,
     host_buffer,
 )
-from libs.engine import Engine, SamplingParams, TokenOutput, warm_up
+from libs.engine import SamplingParams, TokenOutput, warm_up
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.bus.broker import DomainError, call, on_event, publish, rpc
 from libs.bus.plans import consume_parts
 from libs.telemetry import tracer, unsampled
 from libs.transfer.base import Transport, TransferError
-from libs.transfer.tcp.transport import TcpTransport
+from libs.transfer.transports import make_transport
 from services.common.runner import Service
 from services.worker.host_cache import HostBlockCache
+from services.worker.loading import Instance, InstanceLoading
 from services.worker.runtime import EngineRuntime
 from services.worker.transfers import TransferAgent
 
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 _tracer = tracer("worker")
 
 TOKENS = Counter("layercast_worker_generated_tokens_total", "Tokens generated", ["model"])
-BLOCK_BYTES = Counter("layercast_worker_block_load_bytes_total", "Bytes of blocks made ready", ["tier"])
 LOAD_BANDWIDTH = Gauge("layercast_worker_load_bandwidth_bytes_per_second", "Measured load bandwidth (moving average)",
                        ["link"])
 BANDWIDTH_EWMA_ALPHA = 0.3  # weight of the newest load in the per-link moving average
@@ -92,35 +92,11 @@ class WorkerConfig:
     # into it skip a page fault per 4 KiB; production workers size it like host_capacity_bytes.
     host_arena_bytes: int = 0
     kv_cache_bytes: int = 1 << 30  # per instance: pre-allocated KV slots (min(max_batch_size, budget / slot))
-    transport: str = "tcp"  # block transfers: "tcp", or "rdma" (pyverbs and an RDMA device)
+    transport: str = "tcp"  # block transfers: a key of libs.transfer.transports.TRANSPORTS (rdma: pyverbs, a device)
     rdma_device: str | None = None
     # Emulation only (off: 0): the copy from the host tier into engine memory is paced to this
     # rate, standing in for PCIe on a CPU-only worker, where no OS knob throttles memcpy.
     emulated_host_to_device_mbit: float = 0.0
-
-
-class _BlockFutures:
-    """The engine's BlockSource during a load: each block's engine-ready tensor, set by the load
-    as the block lands (from the host tier, a transfer or the disk); a failed load fails them all."""
-
-    def __init__(self, blocks: list[int]):
-        self.futures = {b: concurrent.futures.Future() for b in blocks}
-
-    def set(self, block_id: int, tensor: torch.Tensor) -> None:
-        self.futures[block_id].set_result(tensor)
-
-    def fail(self, error: BaseException) -> None:
-        for f in self.futures.values():
-            if not f.done():
-                f.set_exception(error)
-
-    def wait(self, block_id: int, timeout: float | None = None) -> torch.Tensor:
-        if block_id not in self.futures:
-            raise KeyError(f"block {block_id} is not part of this load")
-        try:
-            return self.futures[block_id].result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"block {block_id} not ready after {timeout} s") from None
 
 
 class _HostTierBlocks:
@@ -167,14 +143,6 @@ class _HostTierBlocks:
 
 
 @dataclass
-class _Instance:
-    info: m.InstanceInfo
-    path: str
-    keys: list[tuple[str, int]]
-    draining: bool = False
-
-
-@dataclass
 class _Request:
     instance_id: str
     model: str
@@ -182,10 +150,6 @@ class _Request:
     span: trace.Span
     next_index: int = 0
     streamed: bool = False  # a token went out (its hop is in the trace)
-
-
-class _LoadStopped(Exception):
-    """A load ended on purpose (the instance was unloaded before it finished), not a failure."""
 
 
 class WorkerService(Service):
@@ -198,7 +162,7 @@ class WorkerService(Service):
         self.loader = BlockLoader(config.device, LoaderConfig(chunk_bytes=config.load_chunk_bytes,
                                                               threads=config.load_threads))
         self.bandwidths_gbps: dict[str, float] = {}
-        self.instances: dict[str, _Instance] = {}
+        self.instances: dict[str, Instance] = {}
         self.requests: dict[str, _Request] = {}
         self.runtime: EngineRuntime | None = None
         self.transport: Transport | None = None
@@ -213,6 +177,16 @@ class WorkerService(Service):
         self._kept: set[tuple[str, int]] = set()  # pinned by FetchBlocks (the parameter pool)
         self._plan_parts = None  # the JetStream subscription for scale-operation parts
         self._tokens_since = 0
+        self.loading = InstanceLoading(self)
+        # One handler per member of m.WorkerCommand.
+        self._handlers: dict[type, Callable[..., Awaitable[m.CommandAck]]] = {
+            m.TransferPart: self._on_transfer_part,
+            m.LoadModel: self._on_load,
+            m.CancelTransfer: self._on_cancel_transfer,
+            m.FetchBlocks: self._on_fetch,
+            m.ReleaseBlocks: self._on_release,
+            m.UnloadModel: self._on_unload,
+        }
         self._subscribe()
 
     def healthy(self) -> bool:
@@ -273,7 +247,8 @@ class WorkerService(Service):
                 await asyncio.sleep(0.5)
         self._registered = True
         log.info("worker %s registered", self.config.worker_id)
-        self.spawn(self._heartbeat_loop())
+        self._last_beat = time.monotonic()
+        self.spawn(self.every(self.config.heartbeat_interval_s, self._heartbeat, "heartbeat", first_now=True))
         # Beside the first commands, not before registering: a cluster comes up no later for it.
         self.spawn(self._warm_up())
 
@@ -289,24 +264,17 @@ class WorkerService(Service):
 
     def _make_transport(self, loop: asyncio.AbstractEventLoop) -> Transport:
         c = self.config
-        if c.transport == "tcp":
-            return TcpTransport(c.worker_id, c.data_host, c.data_port, advertise_host=advertised_data_host(c))
-        if c.transport != "rdma":
-            raise ValueError(f"unknown transport {c.transport!r}: tcp or rdma")
-        from libs.transfer.rdma.transport import RdmaTransport, rdma_available
-
-        ok, why = rdma_available(c.rdma_device)
-        if not ok:
-            raise RuntimeError(f"--transport rdma: {why}")
 
         def exchange(peer: str, info: dict) -> dict:
-            # Called on a transfer thread: the NATS round trip runs on the service's loop.
+            # rdma's handshake, called on a transfer thread: the NATS round trip runs on the service's loop.
             reply = asyncio.run_coroutine_threadsafe(call(
                 self.broker, subjects.worker_rdma_connect(peer), m.RdmaConnect(node_id=c.worker_id, info=info),
                 m.RdmaConnect, timeout=10.0), loop).result(15.0)
             return reply.info
 
-        return RdmaTransport(c.worker_id, exchange, device_name=c.rdma_device)
+        return make_transport(c.transport, c.worker_id, host=c.data_host, port=c.data_port,
+                              advertise_host=advertised_data_host(c), exchange=exchange,
+                              rdma_device=c.rdma_device)
 
     async def stop(self) -> None:
         if self._plan_parts is not None:
@@ -321,23 +289,17 @@ class WorkerService(Service):
         if self.runtime:
             await asyncio.to_thread(self.runtime.stop)
 
-    async def _heartbeat_loop(self) -> None:
-        last = time.monotonic()
-        while True:
-            try:
-                running = self.runtime.running()
-                RUNNING.set(running)
-                await publish(self.broker, subjects.EVENT_HEARTBEAT, m.Heartbeat(
-                    **self._registration(), instances=list(self.instances), running_requests=running))
-                now = time.monotonic()
-                tps = self._tokens_since / max(now - last, 1e-6)
-                self._tokens_since, last = 0, now
-                await publish(self.broker, subjects.METRICS_WORKER, m.WorkerMetrics(
-                    worker_id=self.config.worker_id, running_requests=running, tokens_per_s=tps,
-                    instances=list(self.instances)))
-            except Exception:
-                log.exception("heartbeat failed")
-            await asyncio.sleep(self.config.heartbeat_interval_s)
+    async def _heartbeat(self) -> None:
+        running = self.runtime.running()
+        RUNNING.set(running)
+        await publish(self.broker, subjects.EVENT_HEARTBEAT, m.Heartbeat(
+            **self._registration(), instances=list(self.instances), running_requests=running))
+        now = time.monotonic()
+        tps = self._tokens_since / max(now - self._last_beat, 1e-6)
+        self._tokens_since, self._last_beat = 0, now
+        await publish(self.broker, subjects.METRICS_WORKER, m.WorkerMetrics(
+            worker_id=self.config.worker_id, running_requests=running, tokens_per_s=tps,
+            instances=list(self.instances)))
 
     # --- blocks and instances -------------------------------------------------------------------------
     async def _block_event(self, model: str, block_id: int, tier: m.Tier, state: m.ReplicaState,
@@ -350,216 +312,13 @@ class WorkerService(Service):
         for model, block_id in keys:
             await self._block_event(model, block_id, m.Tier.host, m.ReplicaState.evicted)
 
-    async def _load(self, cmd: m.LoadModel, info: m.InstanceInfo) -> None:
-        """Load blocks nearest tier first; a full-model instance starts serving after its first block
-        (after its last where the command says stop-the-world).
-
-        Each block comes from the host tier, from a running transfer (`cmd.incoming_transfer`:
-        the load waits for its blocks as they arrive, instead of waiting for the whole
-        multicast), or from disk. The engine is built over the arriving blocks (they are bound
-        as its forward pass reaches them), so a first request overlaps its prefill with the
-        rest of the load. A block that fails its checksum fails the instance: no request ever
-        runs on unverified bytes.
-        """
-        iid = cmd.instance_id
-        with _tracer.start_as_current_span("worker.load", attributes={
-            "layercast.model": cmd.model, "layercast.worker": self.config.worker_id,
-            "layercast.blocks": f"[{cmd.block_start},{cmd.block_end})"}) as span:
-            jobs: list[LoadJob] = self._disk_jobs.setdefault(iid, [])
-            wanted = list(range(cmd.block_start, cmd.block_end))
-            pinned: list[tuple[str, int]] = []  # this load's pins; the instance releases them when it stops
-            on_gpu: list[int] = []
-            attached = False
-            loaded_bytes = 0
-            arriving = _BlockFutures(wanted)
-            building: asyncio.Future | None = None
-            try:
-                index = await asyncio.to_thread(CheckpointIndex.load, cmd.path)
-                for b in wanted:
-                    index.block(b)
-                full = (cmd.block_start, cmd.block_end) == (0, index.n_blocks)
-                incoming = {b: f for b in wanted if (f := self._incoming.get((cmd.model, b))) is not None} \
-                    if cmd.incoming_transfer else {}
-                # Blocks in the host tier are pinned at once (not evicted while the rest load);
-                # those neither there nor on their way stream from disk through the loader.
-                cached: dict[int, torch.Tensor] = {}
-                for b in wanted:
-                    if b not in incoming and (buf := self.cache.get((cmd.model, b))) is not None:
-                        self.cache.pin((cmd.model, b))
-                        pinned.append((cmd.model, b))
-                        cached[b] = buf
-                job_of: dict[int, LoadJob] = {}
-                from_disk = [b for b in wanted if b not in cached and b not in incoming]
-                if from_disk:
-                    jobs.append(await asyncio.to_thread(self.loader.start, cmd.path, index, from_disk))
-                    job_of |= dict.fromkeys(from_disk, jobs[-1])
-                # The engine is built beside the loop below (not before it): its construction (KV
-                # cache allocation, model skeleton) overlaps with the blocks' arrival and copies.
-                building = asyncio.ensure_future(asyncio.to_thread(
-                    Engine, index, arriving, device=self.config.device,
-                    max_batch_size=self.config.max_batch_size, max_seq_len=self.config.max_seq_len,
-                    kv_cache_bytes=self.config.kv_cache_bytes)) if full else None
-                for b in wanted:
-                    t0 = time.perf_counter()
-                    host_buf = cached.get(b)
-                    if b in incoming:
-                        host_buf = await incoming[b]
-                        if host_buf is None:
-                            # The transfer ended without it: read it, and what else did not come, from disk.
-                            lost = [x for x in wanted[wanted.index(b):] if x in incoming and
-                                    not (incoming[x].done() and incoming[x].result() is not None)]
-                            log.info("load of %s: blocks %s did not arrive; reading them from disk", cmd.model, lost)
-                            for x in lost:
-                                del incoming[x]
-                            jobs.append(await asyncio.to_thread(self.loader.start, cmd.path, index, lost))
-                            job_of |= dict.fromkeys(lost, jobs[-1])
-                        else:
-                            self.cache.pin((cmd.model, b))
-                            pinned.append((cmd.model, b))
-                    if host_buf is not None:
-                        tier = m.Tier.host
-                        device_buf = await asyncio.to_thread(self._host_to_device, b, host_buf, cmd.preheld)
-                    else:
-                        # Blocks are announced in order, each only once its checksum is verified.
-                        tier = m.Tier.ssd
-                        device_buf = await asyncio.to_thread(job_of[b].wait, b)
-                        host_buf = job_of[b].host[b][: device_buf.numel()] if job_of[b].host else device_buf
-                        self.cache.pin((cmd.model, b))
-                        pinned.append((cmd.model, b))
-                        await self._report_evicted(self.cache.put((cmd.model, b), host_buf))
-                        await asyncio.to_thread(self._pace, device_buf.numel(), cmd.preheld)
-                    arriving.set(b, device_buf)
-                    if iid in self._unload_asked or attached and iid not in self.instances:
-                        raise _LoadStopped("unloaded by planner while loading")
-                    seconds = time.perf_counter() - t0
-                    BLOCK_BYTES.labels(tier.value).inc(device_buf.numel())
-                    span.add_event("block_ready", {"layercast.block": b, "layercast.from_tier": tier.value,
-                                                   "layercast.bytes": device_buf.numel()})
-                    loaded_bytes += device_buf.numel()
-                    span.set_attribute("layercast.bytes", loaded_bytes)
-                    on_gpu.append(b)
-                    await self._block_event(cmd.model, b, m.Tier.gpu, m.ReplicaState.ready,
-                                            device_buf.numel(), seconds, cmd.scale_op_id)
-                    await self._block_event(cmd.model, b, m.Tier.host, m.ReplicaState.ready, host_buf.numel())
-                    if building is not None and building.done() and not attached and \
-                            self.config.serve_while_loading and cmd.serve_while_loading:
-                        await self._attach(building.result(), info, cmd, pinned, "serving, rest loading")
-                        attached = True
-                for done in jobs:
-                    self._observe_bandwidth("ssd_to_host", done.stats.bytes, done.stats.finished_s or 0.0)
-                    span.set_attribute("layercast.disk_gbps", round(done.stats.gbps, 3))
-                    span.set_attribute("layercast.o_direct", done.stats.direct)
-                if not full:
-                    # A partial range holds its blocks for a pipeline; pipeline serving
-                    # (activations between stages) is the engine issue's work.
-                    raise DomainError("only full-model local instances can serve in this version")
-                if not attached:
-                    engine = await building
-                    if iid in self._unload_asked:
-                        raise _LoadStopped("unloaded by planner while loading")
-                    await self._attach(engine, info, cmd, pinned, "loaded")
-                await self._loaded(cmd.instance_id)
-            except Exception as e:
-                # An unload cancels the disk reads too: their failure is the stop, not an error.
-                stopped = isinstance(e, _LoadStopped) or iid in self._unload_asked
-                if stopped:
-                    log.info("load of %s as %s ended: %s", cmd.model, iid, e)
-                else:
-                    log.exception("loading %s failed", cmd.model)
-                    span.record_exception(e)
-                arriving.fail(e)
-                if building is not None:
-                    building.add_done_callback(lambda f: f.exception())  # its outcome no longer matters
-                for j in jobs:
-                    await asyncio.to_thread(j.cancel)
-                if attached and self.instances.pop(iid, None) is not None:
-                    await self.runtime.detach(iid)  # its running requests end with an error
-                for b in on_gpu:
-                    await self._block_event(cmd.model, b, m.Tier.gpu, m.ReplicaState.evicted)
-                while pinned:
-                    await self._report_evicted(self.cache.unpin(pinned.pop()))
-                info = info.model_copy(update={"state": m.InstanceState.stopped if stopped
-                                               else m.InstanceState.failed})
-                await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=str(e)))
-                return
-            finally:
-                self._loading.discard(iid)
-                self._unload_asked.discard(iid)
-                self._disk_jobs.pop(iid, None)
-
-    async def _loaded(self, instance_id: str) -> None:
-        """Every block is in engine memory: say so (the planner times scale operations by it)."""
-        inst = self.instances.get(instance_id)
-        if inst is None:
-            return
-        inst.info = inst.info.model_copy(update={"loaded_at": time.time()})
-        await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=inst.info,
-                                                                            reason="every block loaded"))
-
-    async def _attach(self, engine: Engine, info: m.InstanceInfo, cmd: m.LoadModel,
-                      pinned: list[tuple[str, int]], reason: str) -> None:
-        self.runtime.attach(cmd.instance_id, engine)
-        info = info.model_copy(update={"state": m.InstanceState.ready, "ready_at": time.time()})
-        # The instance shares this load's pin list: stopping it releases what has been pinned so far.
-        self.instances[cmd.instance_id] = _Instance(info=info, path=cmd.path, keys=pinned)
-        log.info("instance %s of %s ready (%s)", cmd.instance_id, cmd.model, reason)
-        await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=reason))
-
-    def _pace(self, nbytes: int, preheld: bool) -> None:
-        """Emulation only: hold a block's host-to-device copy to the emulated PCIe rate (blocks an
-        `ideal` deployment pre-holds cost nothing)."""
-        if self.pacer is not None and not preheld:
-            self.pacer.pace(nbytes)
-
-    def _host_to_device(self, block_id: int, host_buf: torch.Tensor, preheld: bool = False) -> torch.Tensor:
-        """A cached host block made engine-ready: zero-copy on the CPU, one measured copy to a GPU."""
-        if torch.device(self.config.device).type == "cpu":
-            self._pace(host_buf.numel() * host_buf.element_size(), preheld)
-            return host_buf
-        t0 = time.perf_counter()
-        device_buf = copy_to_device({block_id: host_buf}, self.config.device, self.config.load_chunk_bytes)[block_id]
-        self._observe_bandwidth("host_to_device", host_buf.numel(), time.perf_counter() - t0)
-        return device_buf
-
-    async def _fetch(self, cmd: m.FetchBlocks) -> None:
-        """Disk to host tier, without an engine: the parameter pool's copy (kept: pinned)."""
-        with _tracer.start_as_current_span("worker.fetch", attributes={
-                "layercast.model": cmd.model, "layercast.worker": self.config.worker_id,
-                "layercast.blocks": ",".join(map(str, cmd.blocks))}):
-            try:
-                index = await asyncio.to_thread(CheckpointIndex.load, cmd.path)
-                # Blocks a transfer is bringing (a pool re-replication) are waited for; what it
-                # does not deliver, and what is nowhere in the host tier, is read from disk.
-                await asyncio.gather(*(f for b in cmd.blocks if (f := self._incoming.get((cmd.model, b)))))
-                todo = [b for b in cmd.blocks if (cmd.model, b) not in self.cache]
-                job = await asyncio.to_thread(self.loader.start, cmd.path, index, todo) if todo else None
-                for b in cmd.blocks:
-                    key = (cmd.model, b)
-                    if cmd.keep and key not in self._kept:
-                        self._kept.add(key)
-                        self.cache.pin(key)
-                    if b in todo:
-                        device_buf = await asyncio.to_thread(job.wait, b)
-                        host_buf = job.host[b][: device_buf.numel()] if job.host else device_buf
-                        await self._report_evicted(self.cache.put(key, host_buf))
-                    buf = self.cache.get(key)
-                    await self._block_event(cmd.model, b, m.Tier.host, m.ReplicaState.ready, buf.numel())
-                if job is not None:
-                    self._observe_bandwidth("ssd_to_host", job.stats.bytes, job.stats.finished_s or 0.0)
-            except Exception:
-                log.exception("fetching blocks %s of %s failed", cmd.blocks, cmd.model)
-                for b in cmd.blocks:
-                    if (cmd.model, b) in self._kept:
-                        self._kept.discard((cmd.model, b))
-                        await self._report_evicted(self.cache.unpin((cmd.model, b)))
-
     async def _expire_after(self, keys: list[tuple[str, int]], keep_alive_s: float) -> None:
         """The host-cache keep-alive: blocks unused for keep_alive_s leave the host tier."""
         await asyncio.sleep(keep_alive_s)
         gone = [k for k in keys if self.cache.remove(k)]
         await self._report_evicted(gone)
 
-    async def _stop_instance(self, inst: _Instance, reason: str, drain_timeout_s: float = 0.0,
+    async def _stop_instance(self, inst: Instance, reason: str, drain_timeout_s: float = 0.0,
                              host_keep_alive_s: float | None = None) -> None:
         inst.draining = True
         deadline = time.monotonic() + drain_timeout_s
@@ -617,42 +376,49 @@ class WorkerService(Service):
     async def _command(self, cmd: m.WorkerCommand) -> m.CommandAck:
         """One planner command, whether it came as an RPC or as a plan part from JetStream."""
         op = cmd.root
-        wid = self.config.worker_id
-        if isinstance(op, m.TransferPart):
-            self.transfers.blocks.expect(op)
-            try:
-                return await self.transfers.accept(op)
-            except BaseException:
-                await self.transfers.blocks.part_ended(op, False)
-                raise
-        if isinstance(op, m.LoadModel):
-            if (inst := self.instances.get(op.instance_id)) is not None and inst.info.loaded_at is not None:
-                # Sent again (a restarted planner resuming): say again that it is loaded.
-                await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=inst.info,
-                                                                                    reason="every block loaded"))
-                return m.CommandAck(accepted=True, detail="already loaded")
-            if op.instance_id in self.instances or op.instance_id in self._loading:
-                return m.CommandAck(accepted=True, detail="already loaded or loading")
-            self._require_checkpoint(op.path)
-            self._loading.add(op.instance_id)
-            info = m.InstanceInfo(instance_id=op.instance_id, model=op.model, stages=[
-                m.Stage(worker_id=wid, block_start=op.block_start, block_end=op.block_end)],
-                state=m.InstanceState.loading, created_at=time.time(), scale_op_id=op.scale_op_id)
-            self.spawn(self._load(op, info))
-            return m.CommandAck(accepted=True, detail="loading")
-        if isinstance(op, m.CancelTransfer):
-            stopped = self.transfers.cancel(op.transfer_id, op.reason)
-            return m.CommandAck(accepted=True, detail="cancelled" if stopped else "not running")
-        if isinstance(op, m.FetchBlocks):
-            self._require_checkpoint(op.path)
-            self.spawn(self._fetch(op))
-            return m.CommandAck(accepted=True, detail="fetching")
-        if isinstance(op, m.ReleaseBlocks):
-            for b in op.blocks:
-                if (op.model, b) in self._kept:
-                    self._kept.discard((op.model, b))
-                    await self._report_evicted(self.cache.unpin((op.model, b)))
-            return m.CommandAck(accepted=True, detail="released")
+        return await self._handlers[type(op)](op)
+
+    async def _on_transfer_part(self, op: m.TransferPart) -> m.CommandAck:
+        self.transfers.blocks.expect(op)
+        try:
+            return await self.transfers.accept(op)
+        except BaseException:
+            await self.transfers.blocks.part_ended(op, False)
+            raise
+
+    async def _on_load(self, op: m.LoadModel) -> m.CommandAck:
+        if (inst := self.instances.get(op.instance_id)) is not None and inst.info.loaded_at is not None:
+            # Sent again (a restarted planner resuming): say again that it is loaded.
+            await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=inst.info,
+                                                                                reason="every block loaded"))
+            return m.CommandAck(accepted=True, detail="already loaded")
+        if op.instance_id in self.instances or op.instance_id in self._loading:
+            return m.CommandAck(accepted=True, detail="already loaded or loading")
+        self._require_checkpoint(op.path)
+        self._loading.add(op.instance_id)
+        info = m.InstanceInfo(instance_id=op.instance_id, model=op.model, stages=[
+            m.Stage(worker_id=self.config.worker_id, block_start=op.block_start, block_end=op.block_end)],
+            state=m.InstanceState.loading, created_at=time.time(), scale_op_id=op.scale_op_id)
+        self.spawn(self.loading.load(op, info))
+        return m.CommandAck(accepted=True, detail="loading")
+
+    async def _on_cancel_transfer(self, op: m.CancelTransfer) -> m.CommandAck:
+        stopped = self.transfers.cancel(op.transfer_id, op.reason)
+        return m.CommandAck(accepted=True, detail="cancelled" if stopped else "not running")
+
+    async def _on_fetch(self, op: m.FetchBlocks) -> m.CommandAck:
+        self._require_checkpoint(op.path)
+        self.spawn(self.loading.fetch(op))
+        return m.CommandAck(accepted=True, detail="fetching")
+
+    async def _on_release(self, op: m.ReleaseBlocks) -> m.CommandAck:
+        for b in op.blocks:
+            if (op.model, b) in self._kept:
+                self._kept.discard((op.model, b))
+                await self._report_evicted(self.cache.unpin((op.model, b)))
+        return m.CommandAck(accepted=True, detail="released")
+
+    async def _on_unload(self, op: m.UnloadModel) -> m.CommandAck:
         inst = self.instances.get(op.instance_id)
         if inst is None and op.instance_id in self._loading:
             # Not attached yet: the load stops and reports the instance stopped. Its disk reads stop
@@ -662,7 +428,7 @@ class WorkerService(Service):
                 self.spawn(asyncio.to_thread(job.cancel))
             return m.CommandAck(accepted=True, detail="load cancelled")
         if inst is None:
-            return m.CommandAck(accepted=False, detail=f"instance {op.instance_id} is not on {wid}")
+            return m.CommandAck(accepted=False, detail=f"instance {op.instance_id} is not on {self.config.worker_id}")
         self.spawn(self._stop_instance(inst, "unloaded by planner", op.drain_timeout_s, op.host_keep_alive_s))
         return m.CommandAck(accepted=True, detail="draining")
 
