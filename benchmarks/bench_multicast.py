@@ -33,10 +33,11 @@ from libs.planning.multicast import (
     schedule_steps,
     step_bound_s,
 )
-from libs.planning.scaleout import ALGORITHMS, MulticastPlan, build_plan, plan_bound_s
+from libs.planning.scaleout import MULTICAST_ALGORITHMS, MulticastPlan, build_plan, plan_bound_s
 from libs.cluster.launcher import healthy
 from libs.cluster.emulation import EmulatedCluster
 
+ALGORITHMS = tuple(MULTICAST_ALGORITHMS)  # the default: every registered algorithm
 DATA_PORT = 7700
 HEALTH_PORT = 7701
 
@@ -199,7 +200,8 @@ def run_multicast_benchmark(nodes: int = 8, size_mb: float = 256, blocks: int = 
     checksums = [zlib.crc32(synthetic_block(seed, b, n).numpy()) for b, n in enumerate(sizes)]
     rate = link_mbit * 1e6 / 8
     chunk = chunk_kib << 10
-    plans = [build_plan(a, nodes, blocks, k) for a in algorithms for k in (ks if a in ("chain", "binomial") else [1])]
+    plans = [build_plan(a, nodes, blocks, k) for a in algorithms
+             for k in (ks if MULTICAST_ALGORITHMS[a].multi_source else [1])]
     # Generous: the slowest schedule (star) at a third of the link rate.
     timeout_s = timeout_s or max(60.0, 3 * max(plan_bound_s(p, blocks, total, rate, chunk) for p in plans))
     with ExitStack() as stack:

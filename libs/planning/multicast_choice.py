@@ -62,9 +62,10 @@ from libs.planning.multicast import (
     pipeline_ready_steps,
 )
 
-__all__ = ["MulticastPrediction", "MulticastChoice", "choose_multicast", "ALGORITHMS"]
+__all__ = ["MulticastPrediction", "MulticastChoice", "choose_multicast", "CHOICE_ORDER"]
 
-ALGORITHMS: tuple[str, ...] = ("binomial", "kway", "chain")  # also the tie-break order
+# The algorithms choose_multicast predicts, in tie-break order.
+CHOICE_ORDER: tuple[str, ...] = ("binomial", "kway", "chain")
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # the TCP data plane's relay unit (DESIGN: ≈1 MiB)
 
@@ -213,7 +214,7 @@ def choose_multicast(
         "kway", k, steps, steps * step_s, at(_first_copy_step(sched, n_nodes, b, set(range(k)))), at(pipe), step_s
     )
 
-    rank = {name: i for i, name in enumerate(ALGORITHMS)}
+    rank = {name: i for i, name in enumerate(CHOICE_ORDER)}
     if live:
         key = lambda p: (p.first_capacity_s, p.completion_s, rank[p.algorithm])  # noqa: E731
     else:

@@ -5,10 +5,13 @@ however far the model was scaled in.
 Pure: the planner feeds it the registry's view and carries out what it returns.
 """
 
-from collections.abc import Iterable, Mapping
+from collections import defaultdict
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from libs.planning.placement import Held
+from libs.planning.placement import Held, full_copies
+from libs.planning.scaleout import alive_workers, held_blocks, mode_spec
+from libs.protocol import messages as m
 
 
 @dataclass(frozen=True)
@@ -69,3 +72,37 @@ def pool_repair(block_bytes: Mapping[int, int], held: Iterable[Held],
         room[w] -= block_bytes[b]
         fills.setdefault(w, []).append(b)
     return [PoolFill(w, tuple(sorted(bs)), {}, tuple(sorted(bs))) for w, bs in sorted(fills.items())]
+
+
+def free_host_bytes(view: m.ClusterView) -> dict[str, int]:
+    """Alive worker -> the host memory it can still give (capacity less its ready host replicas)."""
+    sizes = {(x.name, b.block_id): b.nbytes for x in view.models for b in x.blocks}
+    used: dict[str, int] = defaultdict(int)
+    for r in view.replicas:
+        if r.tier == m.Tier.host and r.state == m.ReplicaState.ready:
+            used[r.worker_id] += sizes.get((r.model, r.block_id), 0)
+    return {w: max(0, info.capacities.get(m.Tier.host, 0) - used[w]) for w, info in alive_workers(view).items()}
+
+
+def plan_pool_fills(view: m.ClusterView, open_models: Collection[str] = (),
+                    only_model: str | None = None) -> list[tuple[m.ModelInfo, PoolFill]]:
+    """The fills that keep every model's complete host copy (or, for a mode that wants it, a copy
+    on every alive worker), model by model in the view's order. Modes without a pool are left
+    out, and so are `open_models`: their scale-outs' loads are bringing copies into host tiers."""
+    alive = alive_workers(view)
+    free: dict[str, int] | None = None  # computed once, when a model needs it
+    out: list[tuple[m.ModelInfo, PoolFill]] = []
+    for model in view.models:
+        spec = mode_spec(model.scaling_mode)
+        if not spec.keeps_pool or only_model not in (None, model.name) or model.name in open_models:
+            continue
+        held = held_blocks(view, model.name)
+        block_bytes = {b.block_id: b.nbytes for b in model.blocks}
+        if spec.pool_on_every_worker:
+            have = set(full_copies(block_bytes, held, alive))
+            fills = [PoolFill(w, tuple(block_bytes), {}, tuple(block_bytes)) for w in alive if w not in have]
+        else:
+            free = free_host_bytes(view) if free is None else free
+            fills = pool_repair(block_bytes, held, free)
+        out += [(model, fill) for fill in fills]
+    return out

@@ -1,7 +1,7 @@
-"""Scale-out plans: which multicast moves a model's blocks to new workers, per scaling mode.
+"""The planner's scale decisions, per scaling mode, as pure functions of the registry's view.
 
 A deployment's scaling mode decides how its scale-outs move blocks, so the baselines
-run in the same system as layercast:
+run in the same system as layercast (:data:`MODES`):
 
 - ``layercast``: the planner's choice (:func:`~libs.planning.multicast_choice.choose_multicast`,
   fastest completion) among binomial, k-way binomial and chains;
@@ -12,12 +12,18 @@ run in the same system as layercast:
 - ``static``: a fixed number of instances (min_instances), no scaling;
 - ``ideal``: every worker holds every block, activation costs nothing (the lower bound).
 
-Nodes of a plan are numbered 0..N-1 with the k sources first (each holds every block).
+:func:`decide` turns a ScaleRequest and the view into a :class:`ScalePlan` (scale-out), a
+:class:`ScaleIn` or nothing; the planner service only carries them out. Operation and
+instance ids are the service's: the plans here are deterministic.
+
+Nodes of a multicast plan are numbered 0..N-1 with the k sources first (each holds every
+block); :data:`MULTICAST_ALGORITHMS` names each schedule and its time bound.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from libs.planning.multicast import (
@@ -32,14 +38,16 @@ from libs.planning.multicast import (
     step_bound_s,
 )
 from libs.planning.multicast_choice import choose_multicast
+from libs.planning.placement import Candidate, Held, LiveInstance, full_copies, pick_targets, pick_victims
+from libs.protocol import messages as m
 
-ALGORITHMS = ("star", "binary-tree", "chain", "binomial")
-SCALING_MODES = ("layercast", "chain", "binomial", "faasnet", "serverlessllm", "static", "ideal")
-# Modes whose scale-outs multicast from the workers holding a copy.
-MULTICAST_MODES = ("layercast", "chain", "binomial", "faasnet")
 # The `serverlessllm` baseline's host cache keeps a stopped model's blocks this long (λScale §2.3
 # measured 15 s on multi-tenant hosts; BlitzScale assumes 5 min): the planner's --serverlessllm-keep-alive.
 SERVERLESSLLM_KEEP_ALIVE_S = 15.0
+LIVE = (m.InstanceState.loading, m.InstanceState.ready)  # instances a scale decision counts
+
+
+# --- multicast algorithms ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -50,49 +58,62 @@ class MulticastPlan:
     chains: list[list[int]] | None = None  # chain plans: the node runs, sources first
 
 
+@dataclass(frozen=True)
+class MulticastAlgorithm:
+    # (n_nodes, n_blocks, k) -> the plan over nodes 0..N-1, sources 0..k-1
+    plan: Callable[[int, int, int], MulticastPlan]
+    # (plan, n_blocks, total_bytes, rate_bytes_per_s, chunk_bytes) -> seconds its structure needs
+    bound_s: Callable[[MulticastPlan, int, int, float, int], float]
+    multi_source: bool = False  # sends from k sources; otherwise from one whatever k is
+
+
+def _star(n_nodes: int, n_blocks: int, k: int) -> MulticastPlan:
+    return MulticastPlan("star", 1, star_schedule(n_nodes, n_blocks))
+
+
+def _binary_tree(n_nodes: int, n_blocks: int, k: int) -> MulticastPlan:
+    return MulticastPlan("binary-tree", 1, binary_tree_schedule(n_nodes, n_blocks))
+
+
+def _chain(n_nodes: int, n_blocks: int, k: int) -> MulticastPlan:
+    # BlitzScale: one chain per source over its share of the targets.
+    chains = [[i, *group] for i, group in enumerate(kway_subgroups(n_nodes, k))]
+    return MulticastPlan("chain", k, chain_schedule(chains, n_blocks), chains)
+
+
+def _binomial(n_nodes: int, n_blocks: int, k: int) -> MulticastPlan:
+    return MulticastPlan("binomial", k, kway_schedule(n_nodes, n_blocks, k))
+
+
+def _steps_bound_s(plan: MulticastPlan, n_blocks: int, total_bytes: int, rate: float, chunk_bytes: int) -> float:
+    return step_bound_s(schedule_steps(plan.schedule), n_blocks, total_bytes, rate)
+
+
+def _chains_bound_s(plan: MulticastPlan, n_blocks: int, total_bytes: int, rate: float, chunk_bytes: int) -> float:
+    # Chains relay chunk by chunk, not block by block.
+    return max(chain_bound_s(len(c), total_bytes, chunk_bytes, rate) for c in plan.chains or [])
+
+
+# Name -> schedule and bound; the order is the benchmarks' default order.
+MULTICAST_ALGORITHMS: dict[str, MulticastAlgorithm] = {
+    "star": MulticastAlgorithm(_star, _steps_bound_s),
+    "binary-tree": MulticastAlgorithm(_binary_tree, _steps_bound_s),
+    "chain": MulticastAlgorithm(_chain, _chains_bound_s, multi_source=True),
+    "binomial": MulticastAlgorithm(_binomial, _steps_bound_s, multi_source=True),
+}
+
+
 def build_plan(algorithm: str, n_nodes: int, n_blocks: int, k: int) -> MulticastPlan:
     """The schedule of one algorithm over nodes 0..N-1, sources 0..k-1."""
-    if algorithm == "star":
-        return MulticastPlan(algorithm, 1, star_schedule(n_nodes, n_blocks))
-    if algorithm == "binary-tree":
-        return MulticastPlan(algorithm, 1, binary_tree_schedule(n_nodes, n_blocks))
-    if algorithm == "binomial":
-        return MulticastPlan(algorithm, k, kway_schedule(n_nodes, n_blocks, k))
-    if algorithm == "chain":
-        # BlitzScale: one chain per source over its share of the targets.
-        chains = [[i, *group] for i, group in enumerate(kway_subgroups(n_nodes, k))]
-        return MulticastPlan(algorithm, k, chain_schedule(chains, n_blocks), chains)
-    raise ValueError(f"unknown algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
+    if algorithm not in MULTICAST_ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose from {', '.join(MULTICAST_ALGORITHMS)}")
+    return MULTICAST_ALGORITHMS[algorithm].plan(n_nodes, n_blocks, k)
 
 
 def plan_bound_s(plan: MulticastPlan, n_blocks: int, total_bytes: int, rate_bytes_per_s: float,
                  chunk_bytes: int) -> float:
-    """The time the plan's structure needs at link rate R (chains relay chunk by chunk)."""
-    if plan.chains is not None:
-        return max(chain_bound_s(len(c), total_bytes, chunk_bytes, rate_bytes_per_s) for c in plan.chains)
-    return step_bound_s(schedule_steps(plan.schedule), n_blocks, total_bytes, rate_bytes_per_s)
-
-
-def scaleout_plan(mode: str, n_sources: int, n_targets: int, model_bytes: int, n_blocks: int,
-                  link_gbps: float) -> MulticastPlan | None:
-    """The multicast a scale-out of `mode` runs from `n_sources` full copies to `n_targets`
-    new workers; None when the mode does not multicast or there is nothing to send from."""
-    if mode not in SCALING_MODES:
-        raise ValueError(f"unknown scaling mode {mode!r}; choose from {', '.join(SCALING_MODES)}")
-    if mode not in MULTICAST_MODES or n_sources < 1 or n_targets < 1:
-        return None
-    k = min(n_sources, n_targets)
-    if mode == "faasnet":
-        return build_plan("binary-tree", n_targets + 1, n_blocks, 1)
-    if mode == "chain":
-        return build_plan("chain", k + n_targets, n_blocks, k)
-    if mode == "binomial":
-        return build_plan("binomial", k + n_targets, n_blocks, k)
-    choice = choose_multicast(n_sources, n_targets, model_bytes, n_blocks, link_gbps, live=False)
-    if choice.algorithm == "chain":
-        return build_plan("chain", choice.k + n_targets, n_blocks, choice.k)
-    k = choice.k if choice.algorithm == "kway" else 1
-    return build_plan("binomial", k + n_targets, n_blocks, k)
+    """The time the plan's structure needs at link rate R."""
+    return MULTICAST_ALGORITHMS[plan.algorithm].bound_s(plan, n_blocks, total_bytes, rate_bytes_per_s, chunk_bytes)
 
 
 def plan_nodes(plan: MulticastPlan, sources: Sequence[str], targets: Sequence[str]) -> list[str]:
@@ -100,3 +121,235 @@ def plan_nodes(plan: MulticastPlan, sources: Sequence[str], targets: Sequence[st
     if len(sources) < plan.k:
         raise ValueError(f"the plan needs {plan.k} sources, got {len(sources)}")
     return [*sources[: plan.k], *targets]
+
+
+# --- scaling modes ----------------------------------------------------------------------------
+
+# (n_sources, n_targets, model_bytes, n_blocks, link_gbps) -> (algorithm, k)
+MulticastChoiceFn = Callable[[int, int, int, int, float], tuple[str, int]]
+
+
+def _one_source(algorithm: str) -> MulticastChoiceFn:
+    return lambda n_sources, n_targets, *_: (algorithm, 1)
+
+
+def _every_source(algorithm: str) -> MulticastChoiceFn:
+    return lambda n_sources, n_targets, *_: (algorithm, min(n_sources, n_targets))
+
+
+def _fastest(n_sources: int, n_targets: int, model_bytes: int, n_blocks: int, link_gbps: float) -> tuple[str, int]:
+    choice = choose_multicast(n_sources, n_targets, model_bytes, n_blocks, link_gbps, live=False)
+    if choice.algorithm == "chain":
+        return "chain", choice.k
+    return "binomial", choice.k if choice.algorithm == "kway" else 1
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """What a scaling mode does."""
+
+    multicast: MulticastChoiceFn | None = None  # scale-outs multicast from full copies; None: each target loads
+    keeps_pool: bool = True  # the planner keeps a complete host copy in the cluster (the parameter pool)
+    pool_on_every_worker: bool = False  # ... on every alive worker instead of one
+    preheld: bool = False  # loads count the blocks as already in engine memory
+    serve_while_loading: bool = True  # False: stop-the-world, ready once every block is loaded
+    fixed_at_min: bool = False  # the instance count is min_instances whatever is asked
+    host_keep_alive_on_scale_in: bool = False  # a stopped instance's blocks stay in the host cache a while
+
+
+MODES: dict[str, ModeSpec] = {
+    "layercast": ModeSpec(multicast=_fastest),
+    "chain": ModeSpec(multicast=_every_source("chain")),
+    "binomial": ModeSpec(multicast=_every_source("binomial")),
+    "faasnet": ModeSpec(multicast=_one_source("binary-tree")),
+    "serverlessllm": ModeSpec(keeps_pool=False, serve_while_loading=False, host_keep_alive_on_scale_in=True),
+    "static": ModeSpec(keeps_pool=False, fixed_at_min=True),
+    "ideal": ModeSpec(pool_on_every_worker=True, preheld=True),
+}
+
+
+def mode_spec(mode: str) -> ModeSpec:
+    try:
+        return MODES[mode]
+    except KeyError:
+        raise ValueError(f"unknown scaling mode {mode!r}; choose from {', '.join(MODES)}") from None
+
+
+def scaleout_plan(mode: str, n_sources: int, n_targets: int, model_bytes: int, n_blocks: int,
+                  link_gbps: float) -> MulticastPlan | None:
+    """The multicast a scale-out of `mode` runs from `n_sources` full copies to `n_targets`
+    new workers; None when the mode does not multicast or there is nothing to send from."""
+    choose = mode_spec(mode).multicast
+    if choose is None or n_sources < 1 or n_targets < 1:
+        return None
+    algorithm, k = choose(n_sources, n_targets, model_bytes, n_blocks, link_gbps)
+    return build_plan(algorithm, k + n_targets, n_blocks, k)
+
+
+# --- the view ---------------------------------------------------------------------------------
+
+
+def find_model(view: m.ClusterView, name: str) -> m.ModelInfo | None:
+    return next((x for x in view.models if x.name == name), None)
+
+
+def alive_workers(view: m.ClusterView) -> dict[str, m.WorkerInfo]:
+    return {w.worker_id: w for w in view.workers if w.state == "alive"}
+
+
+def live_instances(view: m.ClusterView, model: str) -> list[m.InstanceInfo]:
+    return [i for i in view.instances if i.model == model and i.state in LIVE]
+
+
+def held_blocks(view: m.ClusterView, model: str) -> list[Held]:
+    """The model's ready block replicas."""
+    return [Held(r.worker_id, r.block_id, r.tier.value) for r in view.replicas
+            if r.model == model and r.state == m.ReplicaState.ready]
+
+
+def desired_instances(model: m.ModelInfo | None, requested: int) -> int:
+    """What a request for `requested` instances comes to: within [min, max]; a static fleet
+    stays at min_instances; a deleted (or never deployed) model keeps none."""
+    if model is None:
+        return 0
+    if mode_spec(model.scaling_mode).fixed_at_min:
+        return model.min_instances
+    return max(model.min_instances, min(requested, model.max_instances))
+
+
+# --- decisions --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TargetLoad:
+    """What one scale-out target loads (its LoadModel, less the ids the service gives it)."""
+
+    worker_id: str
+    block_start: int
+    block_end: int
+    preheld: bool = False
+    serve_while_loading: bool = True
+    receives: bool = False  # its blocks come by the plan's multicast (LoadModel.incoming_transfer)
+
+    def command(self, model: m.ModelInfo, instance_id: str, scale_op_id: str | None) -> m.LoadModel:
+        return m.LoadModel(instance_id=instance_id, model=model.name, path=model.path,
+                           block_start=self.block_start, block_end=self.block_end, scale_op_id=scale_op_id,
+                           preheld=self.preheld, serve_while_loading=self.serve_while_loading)
+
+
+def target_load(mode: str, worker_id: str, block_start: int, block_end: int, receives: bool = False) -> TargetLoad:
+    spec = mode_spec(mode)
+    return TargetLoad(worker_id, block_start, block_end, preheld=spec.preheld,
+                      serve_while_loading=spec.serve_while_loading, receives=receives)
+
+
+@dataclass(frozen=True)
+class ScalePlan:
+    """A scale-out. No `loads`: more instances are wanted but no worker is free."""
+
+    model: m.ModelInfo
+    from_instances: int
+    desired: int
+    loads: tuple[TargetLoad, ...]
+    sources: tuple[str, ...] = ()  # full host copies not among the targets, least loaded first
+    receivers: tuple[str, ...] = ()  # targets without a full copy of their own
+    multicast: MulticastPlan | None = None  # from the first k sources to the receivers
+    link_gbps: float = 0.0  # the slowest link among sources and receivers
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(load.worker_id for load in self.loads)
+
+    @property
+    def to_instances(self) -> int:
+        return self.from_instances + len(self.loads)
+
+    @property
+    def senders(self) -> tuple[str, ...]:
+        """The sources the multicast sends from."""
+        return self.sources[: self.multicast.k] if self.multicast else ()
+
+    def nodes(self) -> list[str]:
+        """Worker ids of the multicast's nodes (see plan_nodes)."""
+        if self.multicast is None:
+            return []
+        return plan_nodes(self.multicast, self.sources, self.receivers)
+
+    def record(self) -> dict:
+        """The plan as the scale operation records it."""
+        plan = {"kind": "multicast" if self.multicast else "local-load", "mode": self.model.scaling_mode,
+                "targets": list(self.targets), "blocks": [0, len(self.model.blocks)]}
+        if self.multicast:
+            plan |= {"algorithm": self.multicast.algorithm, "k": self.multicast.k, "sources": list(self.senders),
+                     "receivers": list(self.receivers)}
+        return plan
+
+
+@dataclass(frozen=True)
+class ScaleIn:
+    model: str
+    from_instances: int
+    desired: int
+    victims: tuple[m.InstanceInfo, ...]  # in the view's order
+    host_keep_alive_s: float | None = None  # the victims' workers keep their blocks in host memory this long
+
+    def record(self) -> dict:
+        return {"kind": "drain", "victims": sorted(i.instance_id for i in self.victims)}
+
+
+def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest,
+                   load: Mapping[str, int] | None = None) -> ScalePlan | None:
+    """The scale-out `request` needs (None: it needs none). `load`: worker -> running requests."""
+    load = load or {}
+    model = find_model(view, request.model)
+    live = live_instances(view, request.model)
+    desired = desired_instances(model, request.desired_instances)
+    if model is None or desired <= len(live):
+        return None
+    busy = {s.worker_id for i in live for s in i.stages}
+    per_worker = Counter(s.worker_id for i in view.instances for s in i.stages)
+    alive = alive_workers(view)
+    candidates = [Candidate(w, load.get(w, 0), per_worker[w]) for w in alive if w not in busy]
+    held = held_blocks(view, model.name)
+    block_bytes = {b.block_id: b.nbytes for b in model.blocks}
+    targets = pick_targets(block_bytes, candidates, held, desired - len(live))
+    if not targets:
+        return ScalePlan(model, len(live), desired, ())
+    # Workers holding a whole copy in host memory send it (the data plane sends from the host
+    # tier); a target that holds one itself loads it locally. The least loaded sources go
+    # first (they interfere least with serving, BlitzScale §5.2).
+    copies = full_copies(block_bytes, held, alive)
+    sources = sorted((w for w in copies if w not in targets), key=lambda w: load.get(w, 0))
+    receivers = [t for t in targets if t not in copies]
+    link_gbps = min(alive[w].topology.link_gbps for w in [*sources, *receivers]) if sources and receivers else 0
+    multicast = scaleout_plan(model.scaling_mode, len(sources), len(receivers), model.total_bytes,
+                              len(model.blocks), link_gbps) if link_gbps else None
+    loads = tuple(target_load(model.scaling_mode, w, 0, len(model.blocks),
+                              receives=multicast is not None and w in receivers) for w in targets)
+    return ScalePlan(model, len(live), desired, loads, tuple(sources), tuple(receivers), multicast, link_gbps)
+
+
+def plan_scale_in(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[str, int] | None = None, *,
+                  host_keep_alive_s: float = SERVERLESSLLM_KEEP_ALIVE_S) -> ScaleIn | None:
+    """The scale-in `request` needs (None: it needs none). `host_keep_alive_s` applies to the
+    modes whose host cache outlives a stopped instance."""
+    load = load or {}
+    model = find_model(view, request.model)
+    live = live_instances(view, request.model)
+    desired = desired_instances(model, request.desired_instances)
+    if desired >= len(live):
+        return None
+    instances = [LiveInstance(i.instance_id, i.state.value, load.get(i.entry_worker, 0)) for i in live]
+    victims = set(pick_victims(instances, len(live) - desired))
+    keeps = model is not None and mode_spec(model.scaling_mode).host_keep_alive_on_scale_in
+    return ScaleIn(request.model, len(live), desired, tuple(i for i in live if i.instance_id in victims),
+                   host_keep_alive_s if keeps else None)
+
+
+def decide(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[str, int] | None = None, *,
+           host_keep_alive_s: float = SERVERLESSLLM_KEEP_ALIVE_S) -> ScalePlan | ScaleIn | None:
+    """What reconciling `request` against the view takes; None: the model is already there."""
+    out = plan_scale_out(view, request, load)
+    if out is not None:
+        return out
+    return plan_scale_in(view, request, load, host_keep_alive_s=host_keep_alive_s)

@@ -2,10 +2,11 @@
 
 A ScaleRequest names the desired number of instances; the planner reconciles
 against the registry's view (one operation at a time per model; the view is
-kept between decisions while it is current, see views.py), picks targets or
-victims with the pure functions of libs.planning.placement, records the
-operation in the registry, commands the workers, and follows their instance
-events to close the operation.
+kept between decisions while it is current, see views.py). What to do is decided
+by the pure functions of libs.planning.scaleout (and libs.planning.pool for the
+parameter pool); this service carries it out: records the operation in the
+registry, sends the transfer parts and commands to the workers, and follows
+their instance events to close the operation.
 """
 
 import asyncio
@@ -17,9 +18,15 @@ from collections import defaultdict
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
-from libs.planning.placement import Candidate, Held, LiveInstance, full_copies, pick_targets, pick_victims
-from libs.planning.pool import PoolFill, pool_repair
-from libs.planning.scaleout import SERVERLESSLLM_KEEP_ALIVE_S, MulticastPlan, plan_nodes, scaleout_plan
+from libs.planning.pool import PoolFill, plan_pool_fills
+from libs.planning.scaleout import (
+    SERVERLESSLLM_KEEP_ALIVE_S,
+    ScaleIn,
+    ScalePlan,
+    alive_workers,
+    decide,
+    target_load,
+)
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.bus.broker import RemoteError, call, on_event, publish
@@ -39,23 +46,18 @@ SCALE_DURATION = Histogram("layercast_planner_scale_operation_duration_seconds",
                            ["model", "direction"], buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300))
 OPEN_OPS = Gauge("layercast_planner_open_scale_operations", "Scale-ups waiting for their instances")
 
-LIVE = (m.InstanceState.loading, m.InstanceState.ready)
 TRANSFER_STALL_S = 15.0  # a receiver that gets no byte for this long fails its part (then loads from disk)
 COMMAND_TIMEOUT_S = 5.0  # a worker that has not answered a command by then has failed it
 POOL_CHECK_S = 5.0  # how often the parameter pool's invariant is checked (also on deploy and worker loss)
 POOL_FILL_GRACE_S = 120.0  # a fill in flight is not repeated for this long
-NO_POOL_MODES = ("serverlessllm", "static")  # baselines without a cluster-wide host copy
 
 
 def _stage(load: m.LoadModel, worker_id: str) -> m.Stage:
     return m.Stage(worker_id=worker_id, block_start=load.block_start, block_end=load.block_end)
 
 
-def _load_command(model: m.ModelInfo, instance_id: str, block_start: int, block_end: int,
-                  scale_op_id: str) -> m.LoadModel:
-    return m.LoadModel(instance_id=instance_id, model=model.name, path=model.path, block_start=block_start,
-                       block_end=block_end, scale_op_id=scale_op_id, preheld=model.scaling_mode == "ideal",
-                       serve_while_loading=model.scaling_mode != "serverlessllm")  # its loads stop the world
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
 class PlannerService(Service):
@@ -84,21 +86,11 @@ class PlannerService(Service):
         async with self._locks[req.model]:
             view = await self.views.get()
             viewed = time.time()
-            model = next((x for x in view.models if x.name == req.model), None)
-            desired = req.desired_instances
-            if model is None:
-                desired = 0  # deleted (or never deployed): nothing may keep running
-            elif model.scaling_mode == "static":
-                desired = model.min_instances  # a fixed fleet: demand does not change it
-            else:
-                desired = max(model.min_instances, min(desired, model.max_instances))
-            live = [i for i in view.instances if i.model == req.model and i.state in LIVE]
-            if desired > len(live) and model is not None:
-                operation = self._scale_up(model, view, live, desired, req, {"received": received, "viewed": viewed})
-            elif desired < len(live):
-                sllm = model is not None and model.scaling_mode == "serverlessllm"
-                operation = self._scale_down(req.model, live, desired, req,
-                                             self.serverlessllm_keep_alive_s if sllm else None)
+            decision = decide(view, req, self._load, host_keep_alive_s=self.serverlessllm_keep_alive_s)
+            if isinstance(decision, ScalePlan):
+                operation = self._scale_up(decision, view, req, {"received": received, "viewed": viewed})
+            elif isinstance(decision, ScaleIn):
+                operation = self._scale_down(decision, req)
             else:
                 return None  # already there (the load-monitor repeats its requests): the view stays current
             try:
@@ -114,63 +106,39 @@ class PlannerService(Service):
         except (TimeoutError, RemoteError) as e:
             log.warning("could not record scale op %s: %s", op.scale_op_id, e)
 
-    async def _scale_up(self, model: m.ModelInfo, view: m.ClusterView, live: list[m.InstanceInfo], desired: int,
-                        req: m.ScaleRequest, stamps: dict[str, float]) -> m.ScaleOpInfo | None:
-        busy = {s.worker_id for i in live for s in i.stages}
-        per_worker = defaultdict(int)
-        for i in view.instances:
-            for s in i.stages:
-                per_worker[s.worker_id] += 1
-        alive = {w.worker_id: w for w in view.workers if w.state == "alive"}
-        candidates = [Candidate(w, self._load.get(w, 0), per_worker[w]) for w in alive if w not in busy]
-        held = [Held(r.worker_id, r.block_id, r.tier.value) for r in view.replicas
-                if r.model == model.name and r.state == m.ReplicaState.ready]
-        block_bytes = {b.block_id: b.nbytes for b in model.blocks}
-        targets = pick_targets(block_bytes, candidates, held, desired - len(live))
-        if not targets:
-            log.warning("scale-up of %s to %d: no free worker", model.name, desired)
+    async def _scale_up(self, plan: ScalePlan, view: m.ClusterView, req: m.ScaleRequest,
+                        stamps: dict[str, float]) -> m.ScaleOpInfo | None:
+        model = plan.model
+        if not plan.loads:
+            log.warning("scale-up of %s to %d: no free worker", model.name, plan.desired)
             return None
-        # Workers holding a whole copy in host memory send it (the data plane sends from the host
-        # tier); a target that holds one itself loads it locally. The least loaded sources go
-        # first (they interfere least with serving, BlitzScale §5.2).
-        copies = full_copies(block_bytes, held, alive)
-        sources = sorted((w for w in copies if w not in targets), key=lambda w: self._load.get(w, 0))
-        receivers = [t for t in targets if t not in copies]
-        link_gbps = min(alive[w].topology.link_gbps for w in [*sources, *receivers]) if sources and receivers else 0
-        plan = scaleout_plan(model.scaling_mode, len(sources), len(receivers), model.total_bytes,
-                             len(model.blocks), link_gbps) if link_gbps else None
-        op = m.ScaleOpInfo(scale_op_id=f"op-{uuid.uuid4().hex[:12]}", model=model.name, direction="up",
-                           reason=req.reason, from_instances=len(live), to_instances=len(live) + len(targets),
+        op = m.ScaleOpInfo(scale_op_id=_new_id("op"), model=model.name, direction="up",
+                           reason=req.reason, from_instances=plan.from_instances, to_instances=plan.to_instances,
                            state="running", timings={"decided": req.sent_at, **stamps, "planned": time.time()},
-                           plan={"kind": "multicast" if plan else "local-load", "mode": model.scaling_mode,
-                                 "targets": targets, "blocks": [0, len(model.blocks)]})
-        if plan:
-            op.plan |= {"algorithm": plan.algorithm, "k": plan.k, "sources": sources[: plan.k],
-                        "receivers": receivers}
+                           plan=plan.record())
         # The span lasts as long as the operation: it ends when the last target is loaded (or
         # failed), in whichever event handler sees that, so the trace shows the real duration.
         span = _tracer.start_span("planner.scale_up", attributes={
             "layercast.model": model.name, "layercast.scale_op": op.scale_op_id, "layercast.mode": op.plan["kind"],
             "layercast.scaling_mode": model.scaling_mode, "layercast.algorithm": op.plan.get("algorithm", ""),
-            "layercast.targets": ",".join(targets), "layercast.from_instances": op.from_instances,
+            "layercast.targets": ",".join(plan.targets), "layercast.from_instances": op.from_instances,
             "layercast.to_instances": op.to_instances})
         self._op_spans[op.scale_op_id] = span
         with trace.use_span(span, end_on_exit=False):
             recorded = asyncio.create_task(self._record(op))  # beside the transfers, not before them
             self._open_ops[op.scale_op_id] = op
             OPEN_OPS.set(len(self._open_ops))
-            loads = {w: _load_command(model, f"inst-{uuid.uuid4().hex[:12]}", 0, len(model.blocks), op.scale_op_id)
-                     for w in targets}
+            loads = {t.worker_id: t.command(model, _new_id("inst"), op.scale_op_id) for t in plan.loads}
             for load in loads.values():
                 self._waiting[load.instance_id] = op.scale_op_id
             # Bytes first: the transfer parts go out before anything else (decision -> first byte
             # is the scale-out's latency); each receiver then loads its blocks as they arrive.
-            transfer_id = await self._multicast(op, model, plan, sources, receivers, alive) if plan else None
-            if plan and transfer_id is None:
+            transfer_id = await self._multicast(op, plan, alive_workers(view)) if plan.multicast else None
+            if plan.multicast and transfer_id is None:
                 op.plan["kind"] = "local-load"  # a worker refused its part: every target loads on its own
-            for w in receivers:
-                if transfer_id:
-                    loads[w].incoming_transfer = transfer_id
+            for t in plan.loads:
+                if transfer_id and t.receives:
+                    loads[t.worker_id].incoming_transfer = transfer_id
             created = await asyncio.gather(*(self._create_instance(op, w, load, req.reason)
                                              for w, load in loads.items()))
             await asyncio.gather(*(self._command_load(op, w, load) for (w, load), ok in zip(loads.items(), created)
@@ -190,8 +158,7 @@ class PlannerService(Service):
         await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=created, reason=reason))
         return True
 
-    async def _multicast(self, op: m.ScaleOpInfo, model: m.ModelInfo, plan: MulticastPlan, sources: list[str],
-                         receivers: list[str], alive: dict[str, m.WorkerInfo]) -> str | None:
+    async def _multicast(self, op: m.ScaleOpInfo, scale: ScalePlan, alive: dict[str, m.WorkerInfo]) -> str | None:
         """Send every worker its part of the plan, all at once. Returns the transfer id, or None
         when a worker refused its part: then the targets load on their own.
 
@@ -200,7 +167,8 @@ class PlannerService(Service):
         grant), so the parts go out together and decision -> first byte saves a round trip.
         On a refusal every worker is told to cancel its part (accepted ones stop, a late one is
         refused), and the receivers read from disk instead (LoadModel without incoming_transfer)."""
-        nodes = plan_nodes(plan, sources, receivers)
+        model, plan = scale.model, scale.multicast
+        nodes = scale.nodes()
         transfer_id = f"{op.scale_op_id}-{plan.algorithm}"
         parts = transfer_parts(plan, nodes, {w: alive[w].data_address for w in nodes}, model.blocks,
                                transfer_id=transfer_id, model=model.name,
@@ -217,7 +185,7 @@ class PlannerService(Service):
             self.spawn(self._cancel_parts(op, [w for w in parts if w not in refused], cancel))
             return None
         log.info("scale-up %s: %s k=%d from %s to %s", op.scale_op_id, plan.algorithm, plan.k,
-                 ",".join(sources[: plan.k]), ",".join(receivers))
+                 ",".join(scale.senders), ",".join(scale.receivers))
         return transfer_id
 
     async def _cancel_parts(self, op: m.ScaleOpInfo, workers: list[str], cancel: m.CancelTransfer) -> None:
@@ -265,20 +233,15 @@ class PlannerService(Service):
             log.warning("scale-up %s: transfer to %s failed (%s); it loads what is missing from disk",
                         report.scale_op_id, report.worker_id, report.error)
 
-    async def _scale_down(self, model: str, live: list[m.InstanceInfo], desired: int,
-                          req: m.ScaleRequest, host_keep_alive_s: float | None = None) -> m.ScaleOpInfo:
-        instances = [LiveInstance(i.instance_id, i.state.value, self._load.get(i.entry_worker, 0)) for i in live]
-        victims = set(pick_victims(instances, len(live) - desired))
-        op = m.ScaleOpInfo(scale_op_id=f"op-{uuid.uuid4().hex[:12]}", model=model, direction="down",
-                           reason=req.reason, from_instances=len(live), to_instances=desired, state="running",
-                           timings={"decided": req.sent_at, "planned": time.time()},
-                           plan={"kind": "drain", "victims": sorted(victims)})
+    async def _scale_down(self, scale_in: ScaleIn, req: m.ScaleRequest) -> m.ScaleOpInfo:
+        model = scale_in.model
+        op = m.ScaleOpInfo(scale_op_id=_new_id("op"), model=model, direction="down", reason=req.reason,
+                           from_instances=scale_in.from_instances, to_instances=scale_in.desired, state="running",
+                           timings={"decided": req.sent_at, "planned": time.time()}, plan=scale_in.record())
         with _tracer.start_as_current_span("planner.scale_down", attributes={
                 "layercast.model": model, "layercast.scale_op": op.scale_op_id}):
             await self._record(op)
-            for inst in live:
-                if inst.instance_id not in victims:
-                    continue
+            for inst in scale_in.victims:
                 # Stop routing first, then let the worker finish what it has.
                 draining = inst.model_copy(update={"state": m.InstanceState.draining})
                 await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=draining,
@@ -286,7 +249,7 @@ class PlannerService(Service):
                 try:
                     await call(self.broker, subjects.worker_command(inst.entry_worker), m.UnloadModel(
                         instance_id=inst.instance_id, drain_timeout_s=self.drain_timeout_s,
-                        scale_op_id=op.scale_op_id, host_keep_alive_s=host_keep_alive_s), m.CommandAck,
+                        scale_op_id=op.scale_op_id, host_keep_alive_s=scale_in.host_keep_alive_s), m.CommandAck,
                         timeout=COMMAND_TIMEOUT_S)
                 except (TimeoutError, RemoteError) as e:
                     # The worker is gone or never had it: the instance is over either way.
@@ -297,7 +260,8 @@ class PlannerService(Service):
             op = op.model_copy(update={"state": "done", "timings": {**op.timings, "done": time.time()}})
             await self._record(op)
             self._observe_end(op, "done")
-            log.info("scale-down %s of %s: %d -> %d (%s)", op.scale_op_id, model, len(live), desired, req.reason)
+            log.info("scale-down %s of %s: %d -> %d (%s)", op.scale_op_id, model, scale_in.from_instances,
+                     scale_in.desired, req.reason)
         return op
 
     @staticmethod
@@ -368,60 +332,38 @@ class PlannerService(Service):
                         op.scale_op_id, len(pending))
             for inst in pending:
                 stage = inst.stages[0]
-                load = _load_command(model, inst.instance_id, stage.block_start, stage.block_end, op.scale_op_id)
+                load = target_load(model.scaling_mode, stage.worker_id, stage.block_start,
+                                   stage.block_end).command(model, inst.instance_id, op.scale_op_id)
                 await self._command_load(op, stage.worker_id, load, part_id=f"{inst.instance_id}:resume")
             await self._maybe_close(op.scale_op_id)
         return outcomes
 
     # --- the parameter pool -----------------------------------------------------------------------
     def background(self):
-        return [self._pool_loop(), self.views.keep_current()]
-
-    async def _pool_loop(self) -> None:
-        while True:
-            await asyncio.sleep(POOL_CHECK_S)
-            try:
-                await self.check_pool()
-            except Exception:
-                log.exception("parameter-pool check failed")
+        return [self.every(POOL_CHECK_S, self.check_pool, "parameter-pool check"), self.views.keep_current()]
 
     async def check_pool(self, only_model: str | None = None) -> None:
         """Keep every model's complete host copy (BlitzScale §5.3): restore it where a worker's
         loss or an eviction broke it. An `ideal` deployment's copy is on every worker instead."""
         view = await self.views.get()
-        alive = {w.worker_id: w for w in view.workers if w.state == "alive"}
-        sizes = {(x.name, b.block_id): b.nbytes for x in view.models for b in x.blocks}
-        used: dict[str, int] = defaultdict(int)
-        for r in view.replicas:
-            if r.tier == m.Tier.host and r.state == m.ReplicaState.ready:
-                used[r.worker_id] += sizes.get((r.model, r.block_id), 0)
+        alive = alive_workers(view)
         now = time.time()
-        for model in view.models:
-            if model.scaling_mode in NO_POOL_MODES or only_model not in (None, model.name):
-                continue
+        # A model with a scale-out open is left out: its loads are bringing copies into host
+        # tiers (look again once they are done).
+        for model, fill in plan_pool_fills(view, {op.model for op in self._open_ops.values()}, only_model):
             if any(op.model == model.name for op in self._open_ops.values()):
-                continue  # its loads are bringing copies into host tiers: look again once they are done
-            held = [Held(r.worker_id, r.block_id, r.tier.value) for r in view.replicas
-                    if r.model == model.name and r.state == m.ReplicaState.ready]
-            block_bytes = {b.block_id: b.nbytes for b in model.blocks}
-            if model.scaling_mode == "ideal":
-                have = set(full_copies(block_bytes, held, alive))
-                fills = [PoolFill(w, tuple(block_bytes), {}, tuple(block_bytes)) for w in alive if w not in have]
-            else:
-                free = {w: max(0, info.capacities.get(m.Tier.host, 0) - used[w]) for w, info in alive.items()}
-                fills = pool_repair(block_bytes, held, free)
-            for fill in fills:
-                if now - self._pool_fills.get((model.name, fill.worker), 0.0) < POOL_FILL_GRACE_S:
-                    continue  # sent recently; its blocks are still on their way
-                self._pool_fills[(model.name, fill.worker)] = now
-                await self._fill(model, fill, alive)
+                continue  # opened while the fills before this one were sent
+            if now - self._pool_fills.get((model.name, fill.worker), 0.0) < POOL_FILL_GRACE_S:
+                continue  # sent recently; its blocks are still on their way
+            self._pool_fills[(model.name, fill.worker)] = now
+            await self._fill(model, fill, alive)
 
     async def _fill(self, model: m.ModelInfo, fill: PoolFill, alive: dict[str, m.WorkerInfo]) -> None:
         """Blocks from surviving holders over the data plane (receiver first), then the
         FetchBlocks that keeps them all: it waits for those arriving, reads the rest from disk."""
         if fill.from_peers:
             parts = gather_parts(fill.worker, fill.from_peers, {w: alive[w].data_address for w in alive},
-                                 model.blocks, transfer_id=f"pool-{uuid.uuid4().hex[:12]}", model=model.name,
+                                 model.blocks, transfer_id=_new_id("pool"), model=model.name,
                                  stall_timeout_s=TRANSFER_STALL_S)
             for worker_id, part in parts.items():
                 if why := await self._command(worker_id, part):

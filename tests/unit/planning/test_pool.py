@@ -1,10 +1,12 @@
-"""Parameter-pool repair: after applying what pool_repair returns, a complete host copy exists."""
+"""Parameter-pool repair: after applying what pool_repair returns, a complete host copy exists; the
+planner's fills per scaling mode (plan_pool_fills)."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from libs.planning.placement import Held, full_copies
-from libs.planning.pool import PoolFill, host_holdings, pool_repair
+from libs.planning.pool import PoolFill, free_host_bytes, host_holdings, plan_pool_fills, pool_repair
+from libs.protocol import messages as m
 
 WORKERS = ["w0", "w1", "w2", "w3"]
 
@@ -65,3 +67,40 @@ def test_spread_when_no_worker_has_room_for_the_whole_model():
     block_bytes = {0: 60, 1: 60, 2: 60}
     fills = pool_repair(block_bytes, [], {"a": 130, "b": 70})
     assert fills == [PoolFill("a", (0, 1), {}, (0, 1)), PoolFill("b", (2,), {}, (2,))]
+
+
+# --- plan_pool_fills over the registry's view -------------------------------------------------------
+
+
+def _view(modes: dict[str, str], copies: dict[str, list[str]], workers=("w0", "w1", "w2"),
+          host_bytes: int = 1000) -> m.ClusterView:
+    models = [m.ModelInfo(name=name, path=f"/models/{name}", arch="toy", n_layers=2, scaling_mode=mode,
+                          blocks=[m.BlockInfo(block_id=b, nbytes=100, checksum="", layer_start=b, layer_end=b + 1)
+                                  for b in range(2)], state=m.ModelState.deployed, created_at=0.0)
+              for name, mode in modes.items()]
+    replicas = [m.ReplicaInfo(model=name, block_id=b, worker_id=w, tier=m.Tier.host, state=m.ReplicaState.ready)
+                for name, holders in copies.items() for w in holders for b in range(2)]
+    return m.ClusterView(workers=[m.WorkerInfo(worker_id=w, data_address=f"{w}:1", topology=m.Topology(host=w),
+                                               capacities={m.Tier.host: host_bytes}, state="alive",
+                                               last_heartbeat=0.0) for w in workers],
+                         models=models, replicas=replicas, instances=[], scale_ops=[])
+
+
+def test_pool_fills_per_mode():
+    modes = {"a": "layercast", "b": "serverlessllm", "c": "static", "d": "ideal", "e": "chain"}
+    view = _view(modes, {"d": ["w1"], "e": ["w2"]})
+    fills = [(model.name, fill) for model, fill in plan_pool_fills(view)]
+    # No pool for serverlessllm and static; ideal wants a copy everywhere; e already has one.
+    assert fills == [("a", PoolFill("w0", (0, 1), {}, (0, 1))),
+                     ("d", PoolFill("w0", (0, 1), {}, (0, 1))), ("d", PoolFill("w2", (0, 1), {}, (0, 1)))]
+
+
+def test_pool_fills_leave_out_models_with_open_operations_and_honour_only_model():
+    view = _view({"a": "layercast", "d": "ideal"}, {})
+    assert [x.name for x, _ in plan_pool_fills(view, open_models={"d"})] == ["a"]
+    assert {x.name for x, _ in plan_pool_fills(view, only_model="d")} == {"d"}
+
+
+def test_free_host_bytes_counts_ready_host_replicas_of_every_model():
+    view = _view({"a": "layercast", "b": "chain"}, {"a": ["w0"], "b": ["w0", "w1"]}, host_bytes=500)
+    assert free_host_bytes(view) == {"w0": 100, "w1": 300, "w2": 500}

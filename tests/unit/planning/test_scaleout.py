@@ -1,4 +1,4 @@
-"""Scale-out plans per scaling mode (libs.planning.scaleout) and multicast sources (placement)."""
+"""Scale decisions per scaling mode (libs.planning.scaleout) and multicast sources (placement)."""
 
 import typing
 
@@ -7,8 +7,27 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libs.planning.multicast import validate_schedule
+from libs.planning.multicast_choice import CHOICE_ORDER
 from libs.planning.placement import Held, full_copies
-from libs.planning.scaleout import MULTICAST_MODES, SCALING_MODES, plan_nodes, scaleout_plan
+from libs.planning.scaleout import (
+    MODES,
+    MULTICAST_ALGORITHMS,
+    SERVERLESSLLM_KEEP_ALIVE_S,
+    ScaleIn,
+    ScalePlan,
+    build_plan,
+    decide,
+    held_blocks,
+    mode_spec,
+    plan_bound_s,
+    plan_nodes,
+    plan_scale_in,
+    plan_scale_out,
+    scaleout_plan,
+    target_load,
+)
+
+MULTICAST_MODES = [name for name, spec in MODES.items() if spec.multicast]
 from libs.protocol import messages as m
 
 
@@ -42,12 +61,259 @@ def test_an_unknown_mode_is_refused():
         scaleout_plan("teleport", 1, 1, 1 << 20, 4, 10.0)
 
 
-def test_the_protocol_admits_exactly_the_planners_modes():
-    assert set(typing.get_args(m.ScalingMode)) == set(SCALING_MODES)
-
-
 def test_full_copies_are_workers_with_every_block_in_host_memory():
     held = [Held("a", 0, "host"), Held("a", 1, "host"), Held("b", 0, "host"), Held("b", 1, "gpu"),
             Held("c", 0, "host"), Held("c", 1, "host"), Held("c", 2, "ssd")]
     assert full_copies([0, 1], held, ["c", "b", "a", "d"]) == ["c", "a"]  # in the given order
     assert full_copies([0, 1, 2], held, ["a", "b", "c"]) == []
+
+
+# --- the MODES table and the algorithm registry ---------------------------------------------------
+
+
+def test_modes_are_the_protocols_scaling_modes_in_its_order():
+    assert typing.get_args(m.ScalingMode) == tuple(MODES)
+
+
+def test_an_unknown_mode_has_no_spec():
+    with pytest.raises(ValueError, match="unknown scaling mode"):
+        mode_spec("teleport")
+
+
+@pytest.mark.parametrize("name", list(MULTICAST_ALGORITHMS))
+def test_every_registered_algorithm_plans_under_its_name_and_has_a_bound(name):
+    plan = build_plan(name, 7, 5, 2)
+    assert plan.algorithm == name
+    assert plan.k == (2 if MULTICAST_ALGORITHMS[name].multi_source else 1)
+    validate_schedule(plan.schedule, 7, 5, sources=range(plan.k))
+    assert plan_bound_s(plan, 5, 5 << 20, 1e8, 1 << 20) >= (5 << 20) / 1e8  # never below M/R
+
+
+def test_an_unknown_algorithm_is_refused():
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        build_plan("smoke-signals", 4, 2, 1)
+
+
+def test_the_choice_order_and_the_registry_are_different_lists():
+    # choose_multicast's candidates (k-way is binomial with k sources here) map onto the registry.
+    assert set(CHOICE_ORDER) - {"kway"} <= set(MULTICAST_ALGORITHMS)
+
+
+# --- decisions on hand-built views ----------------------------------------------------------------
+
+N_BLOCKS = 4
+
+
+def _worker(wid: str, link_gbps: float = 10.0, host_bytes: int = 1 << 30, alive: bool = True) -> m.WorkerInfo:
+    return m.WorkerInfo(worker_id=wid, data_address=f"{wid}:7000", topology=m.Topology(host=wid, link_gbps=link_gbps),
+                        capacities={m.Tier.host: host_bytes}, state="alive" if alive else "dead", last_heartbeat=0.0)
+
+
+def _model(mode: str = "layercast", n_blocks: int = N_BLOCKS, min_instances: int = 0, max_instances: int = 4,
+           name: str = "m") -> m.ModelInfo:
+    blocks = [m.BlockInfo(block_id=b, nbytes=1 << 20, checksum="", layer_start=b, layer_end=b + 1)
+              for b in range(n_blocks)]
+    return m.ModelInfo(name=name, path=f"/models/{name}", arch="toy", n_layers=n_blocks, blocks=blocks,
+                       min_instances=min_instances, max_instances=max_instances, scaling_mode=mode,
+                       state=m.ModelState.deployed, created_at=0.0)
+
+
+def _copy(wid: str, n_blocks: int = N_BLOCKS, tier: m.Tier = m.Tier.host, model: str = "m") -> list[m.ReplicaInfo]:
+    return [m.ReplicaInfo(model=model, block_id=b, worker_id=wid, tier=tier, state=m.ReplicaState.ready)
+            for b in range(n_blocks)]
+
+
+def _instance(iid: str, wid: str, state: m.InstanceState = m.InstanceState.ready, model: str = "m") -> m.InstanceInfo:
+    return m.InstanceInfo(instance_id=iid, model=model, stages=[m.Stage(worker_id=wid, block_start=0, block_end=4)],
+                          state=state, created_at=0.0)
+
+
+def _view(workers, models, replicas=(), instances=()) -> m.ClusterView:
+    return m.ClusterView(workers=list(workers), models=list(models), replicas=list(replicas),
+                         instances=list(instances), scale_ops=[])
+
+
+def _request(n: int, model: str = "m") -> m.ScaleRequest:
+    return m.ScaleRequest(model=model, desired_instances=n, reason="test")
+
+
+def _one_copy_view(mode: str, **model_args) -> m.ClusterView:
+    """w0 runs the only instance and holds the host copy; w1..w3 are free."""
+    return _view([_worker(f"w{i}") for i in range(4)], [_model(mode, **model_args)], _copy("w0"),
+                 [_instance("i0", "w0")])
+
+
+@pytest.mark.parametrize("mode,algorithm", [("layercast", None), ("chain", "chain"), ("binomial", "binomial"),
+                                            ("faasnet", "binary-tree")])
+def test_a_multicast_mode_sends_from_the_host_copy_to_every_new_target(mode, algorithm):
+    plan = plan_scale_out(_one_copy_view(mode), _request(3))
+    assert plan.targets == ("w1", "w2") and plan.from_instances == 1 and plan.to_instances == plan.desired == 3
+    assert plan.sources == ("w0",) and plan.receivers == ("w1", "w2") and plan.link_gbps == 10.0
+    assert algorithm is None or plan.multicast.algorithm == algorithm
+    assert all(t.receives and not t.preheld and t.serve_while_loading for t in plan.loads)
+    assert all((t.block_start, t.block_end) == (0, N_BLOCKS) for t in plan.loads)
+    assert plan.nodes() == ["w0", "w1", "w2"]
+    assert plan.record() == {"kind": "multicast", "mode": mode, "targets": ["w1", "w2"], "blocks": [0, N_BLOCKS],
+                             "algorithm": plan.multicast.algorithm, "k": 1, "sources": ["w0"],
+                             "receivers": ["w1", "w2"]}
+
+
+def test_serverlessllm_loads_every_target_on_its_own_and_stops_the_world():
+    plan = plan_scale_out(_one_copy_view("serverlessllm"), _request(2))
+    assert plan.multicast is None and plan.targets == ("w1",)
+    assert [(t.receives, t.preheld, t.serve_while_loading) for t in plan.loads] == [(False, False, False)]
+    assert plan.record() == {"kind": "local-load", "mode": "serverlessllm", "targets": ["w1"],
+                             "blocks": [0, N_BLOCKS]}
+
+
+def test_ideal_loads_preheld_blocks_without_a_multicast():
+    plan = plan_scale_out(_one_copy_view("ideal"), _request(2))
+    assert plan.multicast is None and plan.record()["kind"] == "local-load"
+    assert [(t.receives, t.preheld, t.serve_while_loading) for t in plan.loads] == [(False, True, True)]
+
+
+def test_a_static_fleet_stays_at_min_instances_whatever_is_asked():
+    view = _one_copy_view("static", min_instances=1)
+    assert plan_scale_out(view, _request(3)) is None and decide(view, _request(3)) is None
+    assert decide(view, _request(0)) is None
+    grow = decide(_one_copy_view("static", min_instances=2), _request(0))
+    assert isinstance(grow, ScalePlan) and grow.desired == 2 and grow.targets == ("w1",)
+
+
+def test_requests_are_clamped_to_min_and_max():
+    view = _one_copy_view("layercast", min_instances=1, max_instances=2)
+    assert plan_scale_out(view, _request(9)).targets == ("w1",)
+    assert decide(view, _request(0)) is None  # min_instances keeps the one
+
+
+def test_a_target_holding_a_copy_loads_it_itself_and_the_least_loaded_source_sends():
+    workers = [_worker("w0", link_gbps=25.0), _worker("w1", link_gbps=25.0), _worker("w2", link_gbps=5.0),
+               _worker("w3", link_gbps=100.0), _worker("w4")]
+    replicas = _copy("w0") + _copy("w1") + _copy("w2")
+    view = _view(workers, [_model("chain")], replicas, [_instance("i0", "w0"), _instance("i1", "w1")])
+    plan = plan_scale_out(view, _request(4), load={"w0": 5, "w1": 1})
+    assert plan.targets == ("w2", "w3")  # w2 holds the copy: nearest first
+    assert plan.sources == ("w1", "w0") and plan.receivers == ("w3",)
+    assert [t.receives for t in plan.loads] == [False, True]
+    assert plan.link_gbps == 25.0  # the slowest link among sources and receivers
+    assert plan.record()["sources"] == ["w1"] and plan.multicast.k == 1
+
+
+def test_no_copy_anywhere_means_every_target_reads_its_disk():
+    view = _view([_worker("w0"), _worker("w1")], [_model("layercast")])
+    plan = plan_scale_out(view, _request(2))
+    assert plan.targets == ("w0", "w1") and plan.multicast is None and not any(t.receives for t in plan.loads)
+
+
+def test_no_free_worker_is_a_plan_without_loads():
+    view = _view([_worker("w0"), _worker("w1", alive=False)], [_model()], _copy("w0"), [_instance("i0", "w0")])
+    plan = plan_scale_out(view, _request(2))
+    assert plan is not None and plan.loads == () and plan.desired == 2
+
+
+def test_a_scale_in_drains_loading_instances_first_and_serverlessllm_keeps_the_host_cache():
+    instances = [_instance("i0", "w0"), _instance("i1", "w1", m.InstanceState.loading), _instance("i2", "w2"),
+                 _instance("gone", "w3", m.InstanceState.stopped)]
+    workers = [_worker(f"w{i}") for i in range(4)]
+    for mode, keep in [("serverlessllm", 7.0), ("layercast", None)]:
+        scale_in = decide(_view(workers, [_model(mode)], instances=instances), _request(1), {"w0": 3},
+                          host_keep_alive_s=7.0)
+        assert isinstance(scale_in, ScaleIn)
+        assert [i.instance_id for i in scale_in.victims] == ["i1", "i2"]
+        assert (scale_in.from_instances, scale_in.desired, scale_in.host_keep_alive_s) == (3, 1, keep)
+        assert scale_in.record() == {"kind": "drain", "victims": ["i1", "i2"]}
+
+
+def test_a_deleted_model_loses_every_instance():
+    view = _view([_worker("w0")], [], instances=[_instance("i0", "w0")])
+    assert plan_scale_out(view, _request(2)) is None
+    scale_in = decide(view, _request(2))
+    assert scale_in.desired == 0 and [i.instance_id for i in scale_in.victims] == ["i0"]
+    assert scale_in.host_keep_alive_s is None
+
+
+def test_a_load_command_carries_the_targets_parameters():
+    t = target_load("serverlessllm", "w1", 1, 3)
+    cmd = t.command(_model("serverlessllm"), "inst-1", "op-1")
+    assert (cmd.instance_id, cmd.model, cmd.path, cmd.block_start, cmd.block_end, cmd.scale_op_id) == \
+        ("inst-1", "m", "/models/m", 1, 3, "op-1")
+    assert (cmd.preheld, cmd.serve_while_loading, cmd.incoming_transfer) == (False, False, None)
+
+
+# --- properties over random views -----------------------------------------------------------------
+
+WORKER_IDS = [f"w{i}" for i in range(6)]
+
+
+@st.composite
+def clusters(draw):
+    mode = draw(st.sampled_from(list(MODES)))
+    n_blocks = draw(st.integers(1, 4))
+    max_instances = draw(st.integers(1, 6))
+    model = _model(mode, n_blocks, draw(st.integers(0, max_instances)), max_instances)
+    workers = [_worker(w, draw(st.sampled_from([1.0, 10.0, 100.0])), alive=draw(st.booleans()) or w == "w0")
+               for w in WORKER_IDS[: draw(st.integers(1, 6))]]
+    serving = draw(st.booleans())  # w0 serves from its host copy: a source for any scale-out
+    replicas = []
+    for w in workers:
+        if w.worker_id == "w0" and serving or draw(st.integers(0, 3)) == 0:  # a whole host copy
+            replicas += _copy(w.worker_id, n_blocks)
+        else:
+            replicas += [m.ReplicaInfo(model="m", block_id=b, worker_id=w.worker_id,
+                                       tier=draw(st.sampled_from(list(m.Tier))),
+                                       state=draw(st.sampled_from([m.ReplicaState.ready, m.ReplicaState.loading])))
+                         for b in range(n_blocks) if draw(st.booleans())]
+    states = st.sampled_from([None, *m.InstanceState])
+    instances = []
+    for w in workers:
+        state = m.InstanceState.ready if w.worker_id == "w0" and serving else draw(states)
+        if state is not None:
+            instances.append(_instance(f"i-{w.worker_id}", w.worker_id, state))
+    deleted = draw(st.integers(0, 9)) == 0
+    view = _view(workers, [] if deleted else [model], replicas, instances)
+    load = {w.worker_id: draw(st.integers(0, 5)) for w in workers}
+    return view, model, deleted, load, draw(st.integers(0, 8))
+
+
+@settings(max_examples=200, deadline=None)
+@given(clusters())
+def test_plans_respect_the_view(cluster):
+    view, model, deleted, load, requested = cluster
+    request = _request(requested)
+    live = [i for i in view.instances if i.state in (m.InstanceState.loading, m.InstanceState.ready)]
+    alive = [w.worker_id for w in view.workers if w.state == "alive"]
+    free = set(alive) - {i.entry_worker for i in live}
+    spec = MODES[model.scaling_mode]
+    desired = 0 if deleted else model.min_instances if spec.fixed_at_min else \
+        max(model.min_instances, min(requested, model.max_instances))
+    if not deleted:
+        assert model.min_instances <= desired <= model.max_instances
+
+    out = plan_scale_out(view, request, load)
+    scale_in = plan_scale_in(view, request, load)
+    decision = decide(view, request, load)
+    if desired > len(live) and not deleted:
+        assert out is not None and scale_in is None and decision == out
+        assert out.desired == desired
+        assert len(out.targets) == len(set(out.targets)) <= min(len(free), desired - len(live))
+        assert set(out.targets) <= free
+        copies = set(full_copies(range(len(model.blocks)), held_blocks(view, "m"), alive))
+        assert set(out.sources) <= copies and not set(out.sources) & set(out.targets)
+        assert list(out.receivers) == [t for t in out.targets if t not in copies]
+        if out.multicast is not None:
+            assert spec.multicast is not None and 1 <= out.multicast.k <= len(out.sources)
+            assert [t.worker_id for t in out.loads if t.receives] == list(out.receivers)
+            assert out.record()["kind"] == "multicast"
+        else:
+            assert not any(t.receives for t in out.loads)
+        assert all((t.preheld, t.serve_while_loading) == (spec.preheld, spec.serve_while_loading)
+                   for t in out.loads)
+    elif desired < len(live):
+        assert out is None and scale_in is not None and decision == scale_in
+        victims = [i.instance_id for i in scale_in.victims]
+        assert len(victims) == len(set(victims)) == len(live) - desired
+        assert set(victims) <= {i.instance_id for i in live}
+        keeps = not deleted and spec.host_keep_alive_on_scale_in
+        assert scale_in.host_keep_alive_s == (SERVERLESSLLM_KEEP_ALIVE_S if keeps else None)
+    else:
+        assert out is None and scale_in is None and decision is None
