@@ -20,6 +20,7 @@ demo: install
 	$(BIN)/layercast up --demo
 
 test: install
+	$(BIN)/lint-imports
 	$(BIN)/pytest
 
 clean:

@@ -47,6 +47,8 @@ class Model(Base):
     keep_alive_s: Mapped[float] = mapped_column(Float)
     max_queue: Mapped[int] = mapped_column(Integer)
     scaling_mode: Mapped[str] = mapped_column(String(32), default="layercast")
+    policy: Mapped[str] = mapped_column(String(32), default="concurrency")  # the load-monitor's policy
+    policy_params: Mapped[dict] = mapped_column(Json, default=dict, server_default="{}")  # parameter -> value
     state: Mapped[str] = mapped_column(String(16), index=True)  # deployed | deleted
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 

@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from libs.db.session import make_sessionmaker, write_sessionmaker
 from libs.db.models import BlockReplica, Instance, Model, ModelBlock, ScaleOperation, Worker
+from libs.planning.autoscale import check_policy
 from libs.protocol import messages as m
 
 
@@ -54,6 +55,8 @@ def _model_info(row: Model, blocks: list[ModelBlock]) -> m.ModelInfo:
         keep_alive_s=row.keep_alive_s,
         max_queue=row.max_queue,
         scaling_mode=row.scaling_mode,
+        policy=row.policy,
+        policy_params=row.policy_params or {},
         state=row.state,
         created_at=to_ts(row.created_at),
     )
@@ -164,6 +167,9 @@ class RegistryStore:
     # --- models ---------------------------------------------------------------------------
 
     async def deploy_model(self, req: m.DeployModel) -> m.ModelInfo:
+        # The scaling policy must accept its parameters before anything is stored (ValueError).
+        check_policy(req.policy, req.policy_params, min_instances=req.min_instances,
+                     max_instances=req.max_instances, keep_alive_s=req.keep_alive_s)
         async with self._changing() as s:
             row = await s.get(Model, req.name)
             if row is not None and row.state == "deployed":
@@ -179,6 +185,7 @@ class RegistryStore:
             row.min_instances, row.max_instances = req.min_instances, req.max_instances
             row.keep_alive_s, row.max_queue = req.keep_alive_s, req.max_queue
             row.scaling_mode = req.scaling_mode
+            row.policy, row.policy_params = req.policy, dict(req.policy_params)
             row.state, row.created_at = "deployed", to_dt(time.time())
             blocks = [ModelBlock(model=req.name, **b.model_dump()) for b in req.blocks]
             s.add_all(blocks)

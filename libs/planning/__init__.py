@@ -9,7 +9,13 @@ Modules (each cites the paper sections it implements):
 - ``estimate`` — ServerlessLLM load / migration time estimators and server choice.
 - ``multicast_choice`` — picks chain, binomial or k-way for a scale-out.
 - ``policies`` — scaling policies (threshold, concurrency, SLO saturation).
-- ``placement`` — target and victim selection used by the planner service.
+- ``autoscale`` — the load-monitor's whole decision: ``step(state, observation, now)``
+  and the ``POLICIES`` registry chosen per deployment.
+- ``scaleout`` — the planner's decisions: the ``MODES`` table, the multicast-algorithm
+  registry, ``decide`` / ``plan_scale_out`` / ``plan_scale_in``.
+- ``pool`` — the parameter pool (BlitzScale §5.3): which workers get which blocks back.
+- ``placement`` — target and victim selection (locality first).
+- ``block_sources`` — where a worker takes each block from: host tier, a transfer, disk.
 
 No I/O, no global state; everything is deterministic.
 """

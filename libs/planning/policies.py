@@ -227,6 +227,8 @@ class SloPolicy:
             raise ValueError("target must be in (0, 1]")
         if not 0 <= self.warming_credit <= 1:
             raise ValueError("warming_credit must be in [0, 1]")
+        if not 0 <= self.quantile <= 100:
+            raise ValueError("quantile must be in [0, 100]")
 
 
 def _saturation(samples: Sequence[MetricsSample], cfg: SloPolicy) -> float | None:

@@ -119,6 +119,8 @@ class BlockInfo(BaseModel):
 # How a deployment scales out (libs.planning.scaleout): layercast's own choice, or a
 # baseline run in the same system.
 ScalingMode = Literal["layercast", "chain", "binomial", "faasnet", "serverlessllm", "static", "ideal"]
+# The load-monitor's scaling policies (libs.planning.autoscale.POLICIES).
+ScalingPolicy = Literal["threshold", "concurrency", "slo"]
 
 
 class DeployModel(Message):
@@ -132,6 +134,9 @@ class DeployModel(Message):
     keep_alive_s: float = Field(default=60.0, ge=0)
     max_queue: int = Field(default=256, ge=1)
     scaling_mode: ScalingMode = "layercast"
+    policy: ScalingPolicy = "concurrency"
+    # Checked against the policy (libs.planning.autoscale.check_policy) by the gateway and the registry.
+    policy_params: dict[str, float] = Field(default_factory=dict)
 
 
 class ModelInfo(DeployModel):
@@ -387,7 +392,7 @@ class CommandAck(Message):
 
 
 class RdmaConnect(Message):
-    """Worker -> worker: RDMA queue-pair connection data (libs/transfer/rdma/transport.py ConnectionInfo).
+    """Worker -> worker: RDMA queue-pair connection data (libs/transfer/rdma/codec.py ConnectionInfo).
 
     The reply is another RdmaConnect carrying the answering worker's data.
     """

@@ -1,6 +1,7 @@
 """Top-level typer app: cluster lifecycle (`up`, `down`, `status`), models
 (`model create-demo|convert|deploy`), benchmarks (`bench ...`)."""
 
+import importlib
 import json
 import os
 import signal
@@ -13,14 +14,21 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from services.cli.bench import bench_app
 from libs.cluster.launcher import ClusterError, ClusterSpec, ClusterState, cluster_status, start_cluster, stop_cluster
 
 app = typer.Typer(help="layercast: serverless LLM inference by block multicast.", no_args_is_help=True)
 model_app = typer.Typer(help="Create, convert and deploy models.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
-app.add_typer(bench_app, name="bench")
 console = Console()
+
+
+@app.command("bench", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context) -> None:
+    """Benchmarks (plan, load, engine, multicast, scale, trace); each prints one JSON object with --json."""
+    # benchmarks/ sits above services/ and nothing imports it: its commands are loaded by name, on use.
+    bench_app = importlib.import_module("benchmarks.cli").bench_app
+    typer.main.get_command(bench_app)(args=ctx.args, prog_name="layercast bench")
 
 DEFAULT_STATE_DIR = Path(".layercast")
 StateDir = typer.Option(DEFAULT_STATE_DIR, "--state-dir", help="Where the cluster keeps its state and logs.")
@@ -68,17 +76,33 @@ def _admin(gateway_url: str, admin_key: str, method: str, path: str, body: dict 
 
 
 def deploy_model(state: ClusterState | tuple[str, str], name: str, path: Path, min_instances: int = 0,
-                 max_instances: int = 4, keep_alive_s: float = 60.0, scaling_mode: str = "layercast") -> dict:
+                 max_instances: int = 4, keep_alive_s: float = 60.0, scaling_mode: str = "layercast",
+                 policy: str = "concurrency", policy_params: dict[str, float] | None = None) -> dict:
     """Deploy through the admin API of a local cluster (its state) or of any gateway (url, admin key)."""
     url, key = (state.gateway_url, state.admin_key) if isinstance(state, ClusterState) else state
     r = _admin(url, key, "POST", "/admin/v1/models", {
         "name": name, "path": str(path.resolve()), "min_instances": min_instances, "max_instances": max_instances,
-        "keep_alive_s": keep_alive_s, "scaling_mode": scaling_mode})
+        "keep_alive_s": keep_alive_s, "scaling_mode": scaling_mode, "policy": policy,
+        "policy_params": policy_params or {}})
     if r.status_code == 409:
         return _admin(url, key, "GET", f"/admin/v1/models/{name}").json()
     if r.status_code >= 400:
         raise ClusterError(r.json().get("error", {}).get("message", r.text))
     return r.json()
+
+
+def _policy_params(pairs: list[str]) -> dict[str, float]:
+    # The gateway checks the names and values against the policy; here only the KEY=NUMBER shape.
+    params: dict[str, float] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        try:
+            if not sep or not key.strip():
+                raise ValueError
+            params[key.strip()] = float(value)
+        except ValueError:
+            _fail(f"--policy-param wants KEY=NUMBER, got {pair!r}")
+    return params
 
 
 @model_app.command("deploy")
@@ -88,8 +112,13 @@ def deploy(name: str, path: Path, min_instances: int = 0, max_instances: int = 4
                                            help="A gateway to deploy on (default: the local cluster's)."),
            admin_key: str = typer.Option(None, envvar="LAYERCAST_ADMIN_KEY", help="With --gateway-url."),
            scaling_mode: str = typer.Option("layercast", help="layercast | chain | binomial | faasnet | "
-                                                                 "serverlessllm | static | ideal")) -> None:
+                                                                 "serverlessllm | static | ideal"),
+           policy: str = typer.Option("concurrency", "--policy",
+                                      help="The load-monitor's scaling policy: threshold | concurrency | slo."),
+           policy_param: list[str] = typer.Option([], "--policy-param", metavar="KEY=VALUE",
+                                                  help="A parameter of the policy (repeatable), e.g. target=4.")) -> None:
     """Deploy a converted checkpoint on a running cluster (admin API). PATH is as the workers see it."""
+    params = _policy_params(policy_param)
     try:
         if gateway_url:
             if not admin_key:
@@ -97,7 +126,8 @@ def deploy(name: str, path: Path, min_instances: int = 0, max_instances: int = 4
             target = (gateway_url, admin_key)
         else:
             target = ClusterState.load(state_dir)
-        info = deploy_model(target, name, path, min_instances, max_instances, keep_alive, scaling_mode)
+        info = deploy_model(target, name, path, min_instances, max_instances, keep_alive, scaling_mode, policy,
+                            params)
     except (ClusterError, httpx.HTTPError) as e:
         _fail(str(e))
     console.print(f"deployed {info['name']} ({len(info['blocks'])} blocks) from {info['path']}")

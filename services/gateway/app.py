@@ -205,7 +205,8 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
             blocks=[m.BlockInfo(block_id=b.id, nbytes=b.nbytes, checksum=b.checksum, layer_start=b.layer_start,
                                 layer_end=b.layer_end) for b in index.blocks],
             min_instances=body.min_instances, max_instances=body.max_instances, keep_alive_s=body.keep_alive_s,
-            max_queue=body.max_queue, scaling_mode=body.scaling_mode)
+            max_queue=body.max_queue, scaling_mode=body.scaling_mode, policy=body.policy,
+            policy_params=body.policy_params)
         info = await _registry(subjects.REGISTRY_MODEL_DEPLOY, req, m.ModelInfo)
         await service.add_model(info)
         return JSONResponse(info.model_dump(mode="json"), status_code=201)

@@ -4,8 +4,9 @@ range are a 400 naming the parameter."""
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from libs.planning.autoscale import check_policy
 from libs.protocol import messages as m
 
 
@@ -88,3 +89,15 @@ class DeployRequest(_Body):
     keep_alive_s: float = Field(default=60.0, ge=0)
     max_queue: int = Field(default=256, ge=1)
     scaling_mode: m.ScalingMode = "layercast"
+    policy: m.ScalingPolicy = "concurrency"
+    policy_params: dict[str, float] = Field(default_factory=dict, validate_default=True)
+
+    @field_validator("policy_params")
+    @classmethod
+    def _policy_params(cls, v: dict[str, float], info: ValidationInfo) -> dict[str, float]:
+        # Checked here so a bad parameter is a 400 naming policy_params, as the registry would refuse it.
+        fields = ("policy", "min_instances", "max_instances", "keep_alive_s")
+        if all(f in info.data for f in fields):
+            check_policy(info.data["policy"], v, min_instances=info.data["min_instances"],
+                         max_instances=info.data["max_instances"], keep_alive_s=info.data["keep_alive_s"])
+        return v

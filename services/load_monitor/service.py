@@ -1,18 +1,17 @@
 """Load-monitor: watches demand per model and asks the planner for a number
-of instances. The decision itself is a pure policy from libs.planning.policies;
-this service only keeps the windows and sends ScaleRequests."""
+of instances. The whole decision (windows, the deployment's policy, the
+hysteresis around it) is the pure state machine libs.planning.autoscale; this
+service feeds it metrics every tick and sends the ScaleRequests it returns."""
 
-import asyncio
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from prometheus_client import Counter, Gauge
 
-from libs.planning.policies import ConcurrencyPolicy, MetricsSample, concurrency_policy
+from libs.planning import autoscale
+from libs.planning.policies import MetricsSample
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.bus.broker import call, on_event, publish
@@ -28,13 +27,9 @@ SCALE_REQUESTS = Counter("layercast_load_monitor_scale_requests_total", "Scale r
 _tracer = tracer("load_monitor")
 
 
-@dataclass
-class ModelWindow:
-    model: m.ModelInfo
-    samples: deque[MetricsSample] = field(default_factory=lambda: deque(maxlen=1200))
-    last_request_at: float | None = None
-    last_sent: tuple[int, float] | None = None  # (desired, when)
-    below_since: float | None = None  # since when the policy has wanted fewer instances than run
+def deployment(model: m.ModelInfo) -> autoscale.Deployment:
+    return autoscale.Deployment(min_instances=model.min_instances, max_instances=model.max_instances,
+                                keep_alive_s=model.keep_alive_s, policy=model.policy, params=model.policy_params)
 
 
 class LoadMonitorService(Service):
@@ -48,7 +43,11 @@ class LoadMonitorService(Service):
         # (BlitzScale keeps it sub-second; longer damps flapping between bursts).
         self.scale_down_delay_s = scale_down_delay_s
         self.target_concurrency = target_concurrency
-        self.models: dict[str, ModelWindow] = {}
+        # The concurrency policy's target where a deployment sets none is the cluster's.
+        self.state = autoscale.AutoscaleState(autoscale.AutoscaleConfig(
+            window_s=window_s, scale_down_delay_s=scale_down_delay_s, resend_s=resend_s,
+            defaults={"concurrency": {"target": target_concurrency}}))
+        self.models: dict[str, m.ModelInfo] = {}
         self.live: dict[str, tuple[str, m.InstanceState]] = {}  # instance_id -> (model, state)
         self.ended = EndedInstances()
         # Latest report of each gateway, per model: several gateways add up.
@@ -60,33 +59,15 @@ class LoadMonitorService(Service):
         return self._synced
 
     def background(self) -> list:
-        return [self._sync_loop(), self._tick_loop()]
-
-    def policy(self, model: m.ModelInfo) -> ConcurrencyPolicy:
-        # The deployment sets the bounds and keep-alive; the target is the cluster's.
-        return ConcurrencyPolicy(target=self.target_concurrency, min_instances=model.min_instances,
-                                 max_instances=model.max_instances, keep_alive_s=model.keep_alive_s)
+        return [self.every(lambda: 5.0 if self._synced else 0.5, self.sync, "registry sync", first_now=True),
+                self.every(self.tick_s, self.tick, "tick")]
 
     async def sync(self) -> None:
         view = await call(self.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0), m.ClusterView)
-        names = {x.name for x in view.models}
-        for info in view.models:
-            w = self.models.setdefault(info.name, ModelWindow(info))
-            w.model = info
-        for name in list(self.models):
-            if name not in names:
-                del self.models[name]
+        self.models = {info.name: info for info in view.models}
         self.live = {i.instance_id: (i.model, i.state) for i in view.instances if i.state in
                      (m.InstanceState.loading, m.InstanceState.ready) and i.instance_id not in self.ended}
         self._synced = True
-
-    async def _sync_loop(self) -> None:
-        while True:
-            try:
-                await self.sync()
-            except Exception as e:
-                log.warning("registry sync failed: %s", e)
-            await asyncio.sleep(5.0 if self._synced else 0.5)
 
     def current_instances(self, model: str) -> int:
         return sum(1 for name, _ in self.live.values() if name == model)
@@ -98,54 +79,33 @@ class LoadMonitorService(Service):
                              warming=states.count(m.InstanceState.loading),
                              in_flight=sum(x.queued + x.in_flight for x in loads))
 
+    def observe(self, now: float) -> autoscale.Observation:
+        return autoscale.Observation({name: autoscale.ModelObservation(
+            sample=self.sample(name, now), current=self.current_instances(name), deployment=deployment(info),
+            last_requests=tuple(g[name].last_request_at for g in self._gateways.values()
+                                if name in g and g[name].last_request_at is not None))
+            for name, info in self.models.items()})
+
     async def tick(self, now: float | None = None) -> None:
         now = now or time.time()
-        for name, w in self.models.items():
-            w.samples.append(self.sample(name, now))
-            while w.samples and w.samples[0].t < now - self.window_s:
-                w.samples.popleft()
-            current = self.current_instances(name)
-            desired = concurrency_policy(list(w.samples), self.policy(w.model), last_request_at=w.last_request_at)
-            DESIRED.labels(name).set(desired)
-            DEMAND.labels(name).set(w.samples[-1].in_flight)
-            if desired >= current:
-                w.below_since = None
-            if desired == current:
-                w.last_sent = None
-                continue
-            if 0 < desired < current:
-                # Scale-ins wait out the delay (a burst's dips do not flap instances); the
-                # scale to zero has waited for the model's keep-alive already.
-                w.below_since = w.below_since or now
-                if now - w.below_since < self.scale_down_delay_s:
-                    continue
-            # Repeat the request while the mismatch lasts (the planner reconciles idempotently).
-            if w.last_sent and w.last_sent[0] == desired and now - w.last_sent[1] < self.resend_s:
-                continue
-            reason = (f"demand {w.samples[-1].in_flight} queued or in flight, {current} instance(s)"
-                      if desired > current else
-                      f"idle for {now - (w.last_request_at or now):.1f}s (keep-alive {w.model.keep_alive_s}s)")
-            log.info("scale %s: %d -> %d (%s)", name, current, desired, reason)
-            direction = "up" if desired > current else "down"
-            SCALE_REQUESTS.labels(name, direction).inc()
+        # The step is synchronous: a tick that starts while this one publishes sees its state.
+        self.state, decisions = autoscale.step(self.state, self.observe(now), now)
+        for name, s in self.state.models.items():
+            DESIRED.labels(name).set(s.desired)
+            DEMAND.labels(name).set(s.demand)
+        for d in decisions:
+            log.info("scale %s: %d -> %d (%s)", d.model, d.current, d.desired, d.reason)
+            SCALE_REQUESTS.labels(d.model, d.direction).inc()
             # The root of the scale operation's trace: the planner, the workers' loads and
             # transfers and the instances becoming ready all hang under it. A root even when the
             # tick runs inside a (quiet, untraced) metrics handler.
             with _tracer.start_as_current_span("load_monitor.scale_request", context=Context(),
                                                kind=trace.SpanKind.PRODUCER, attributes={
-                    "layercast.model": name, "layercast.direction": direction, "layercast.from_instances": current,
-                    "layercast.to_instances": desired, "layercast.reason": reason}):
+                    "layercast.model": d.model, "layercast.direction": d.direction,
+                    "layercast.from_instances": d.current, "layercast.to_instances": d.desired,
+                    "layercast.reason": d.reason}):
                 await publish(self.broker, subjects.SCALE_REQUEST,
-                              m.ScaleRequest(model=name, desired_instances=desired, reason=reason))
-            w.last_sent = (desired, now)
-
-    async def _tick_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.tick_s)
-            try:
-                await self.tick()
-            except Exception:
-                log.exception("load-monitor tick failed")
+                              m.ScaleRequest(model=d.model, desired_instances=d.desired, reason=d.reason))
 
     def _subscribe(self) -> None:
         b = self.broker
@@ -154,10 +114,6 @@ class LoadMonitorService(Service):
         @on_event(m.GatewayMetrics)
         async def gateway_metrics(ev: m.GatewayMetrics) -> None:
             self._gateways[ev.gateway_id] = {x.model: x for x in ev.models}
-            for x in ev.models:
-                w = self.models.get(x.model)
-                if w is not None and x.last_request_at is not None:
-                    w.last_request_at = max(w.last_request_at or 0.0, x.last_request_at)
             if any(x.queued and x.ready_instances == 0 for x in ev.models):
                 await self.tick()  # demand for a cold model: act now, not at the next tick
 
@@ -175,7 +131,9 @@ class LoadMonitorService(Service):
         @b.subscriber(subjects.EVENT_MODEL)
         @on_event(m.ModelEvent)
         async def model(ev: m.ModelEvent) -> None:
+            # A (re)deployed model starts afresh; a deleted one is forgotten at the next tick.
+            self.state = self.state.without(ev.model.name)
             if ev.kind == "deployed":
-                self.models[ev.model.name] = ModelWindow(ev.model)
+                self.models[ev.model.name] = ev.model
             else:
                 self.models.pop(ev.model.name, None)

@@ -8,10 +8,11 @@ import time
 from prometheus_client import Counter, Gauge
 
 from libs.db.session import make_engine, migrate
+from libs.bus.broker import DomainError, on_event, publish, rpc
 from libs.db.store import RegistryStore
+from libs.planning.autoscale import check_policy
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from libs.bus.broker import DomainError, on_event, publish, rpc
 from services.common.runner import Service
 
 WORKERS = Gauge("layercast_registry_workers", "Registered workers with a live heartbeat")
@@ -106,6 +107,11 @@ class RegistryService(Service):
         async def deploy(req: m.DeployModel) -> m.ModelInfo:
             if req.min_instances > req.max_instances:
                 raise DomainError("min_instances must not exceed max_instances")
+            try:
+                check_policy(req.policy, req.policy_params, min_instances=req.min_instances,
+                             max_instances=req.max_instances, keep_alive_s=req.keep_alive_s)
+            except ValueError as e:
+                raise DomainError(str(e)) from e  # a bad deployment, not a conflict with another
             try:
                 info = await self.store.deploy_model(req)
             except ValueError as e:

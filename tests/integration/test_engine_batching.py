@@ -202,10 +202,14 @@ def test_hand_over_to_another_worker_process(four_blocks, expected):
     assert expected[2][:at] + json.loads(proc.stdout) == expected[2]
 
 
-def test_live_pair_loading_worker_runs_the_first_blocks_it_holds(four_blocks, expected):
-    """BlitzScale's live pair: a worker still loading (it holds blocks 0-2 of 4) runs the first
-    blocks of the overloaded instance's batches in its own process; the instance runs the rest."""
-    from libs.planning.zigzag import live_pair_split
+def test_live_pair_fixed_split_across_processes_equals_generate(four_blocks, expected):
+    """A live-pair engine (BlitzScale §5.2) with one fixed split for every batch (no ZigZag: no
+    per-batch choice of the split, nothing arriving during the run). A loading worker with 3 of
+    4 blocks loaded gets `live_pair_split` = 2 (capped at half the model); a separate process
+    holding only blocks 0-1 runs them for every batch, reached as a RemoteStage over the data
+    plane, and the overloaded instance runs blocks 2-3 on its own full copy. The greedy tokens
+    of concurrent requests equal generate()'s."""
+    from libs.planning.zigzag import live_pair_split  # the split rule only; the ZigZag scheduler is unused
 
     index = CheckpointIndex.load(four_blocks)
     split = live_pair_split(loaded_blocks=3, n_blocks=index.n_blocks)

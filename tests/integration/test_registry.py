@@ -23,11 +23,14 @@ def registration(worker_id: str = "w1") -> m.RegisterWorker:
                             capacities={m.Tier.gpu: 1 << 30, m.Tier.host: 4 << 30, m.Tier.ssd: 100 << 30})
 
 
-def deployment(name: str = "demo") -> m.DeployModel:
+def deployment(name: str = "demo", **extra) -> m.DeployModel:
     return m.DeployModel(name=name, path="/models/demo", arch="LlamaForCausalLM", n_layers=4, blocks=[
         m.BlockInfo(block_id=0, nbytes=1000, checksum="0000abcd", layer_start=0, layer_end=2),
         m.BlockInfo(block_id=1, nbytes=900, checksum="0000abce", layer_start=2, layer_end=4)],
-        min_instances=0, max_instances=2, keep_alive_s=30)
+        min_instances=0, max_instances=2, keep_alive_s=30, **extra)
+
+
+SLO = {"policy": "slo", "policy_params": {"ttft_slo_s": 0.5, "tpot_slo_s": 0.05}}
 
 
 @pytest.fixture
@@ -60,7 +63,7 @@ async def test_state_survives_a_registry_restart(database_url, nats_url, client)
     reg = await started(database_url, nats_url)
     try:
         await call(client, subjects.REGISTRY_WORKER_REGISTER, registration(), m.WorkerInfo)
-        await call(client, subjects.REGISTRY_MODEL_DEPLOY, deployment(), m.ModelInfo)
+        await call(client, subjects.REGISTRY_MODEL_DEPLOY, deployment(**SLO), m.ModelInfo)
         await publish(client, subjects.EVENT_BLOCK, m.BlockEvent(model="demo", block_id=1, worker_id="w1",
                                                                  tier=m.Tier.host, state=m.ReplicaState.ready))
         await call(client, subjects.REGISTRY_SCALEOP_RECORD, m.RecordScaleOp(
@@ -77,6 +80,7 @@ async def test_state_survives_a_registry_restart(database_url, nats_url, client)
         info = await call(client, subjects.REGISTRY_MODEL_GET, m.ModelRef(name="demo"), m.ModelInfo)
         assert [b.checksum for b in info.blocks] == ["0000abcd", "0000abce"]
         assert info.total_bytes == 1900 and info.max_instances == 2
+        assert {"policy": info.policy, "policy_params": info.policy_params} == SLO
         view = await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
         assert [w.worker_id for w in view.workers] == ["w1"]
         assert view.workers[0].topology.leaf == "leaf-a"
@@ -144,6 +148,12 @@ async def test_malformed_requests_get_errors_and_the_registry_keeps_serving(data
         await call(client, subjects.REGISTRY_MODEL_DEPLOY, deployment(), m.ModelInfo)
         with pytest.raises(RemoteError, match="already deployed"):
             await call(client, subjects.REGISTRY_MODEL_DEPLOY, deployment(), m.ModelInfo)
+        # A parameter the scaling policy does not have is refused, and nothing is stored.
+        with pytest.raises(RemoteError, match="unknown parameter 'tarjet' for scaling policy 'concurrency'"):
+            await call(client, subjects.REGISTRY_MODEL_DEPLOY, deployment("other", policy_params={"tarjet": 4}),
+                       m.ModelInfo)
+        with pytest.raises(RemoteError, match="not found"):
+            await call(client, subjects.REGISTRY_MODEL_GET, m.ModelRef(name="other"), m.ModelInfo)
         info = await call(client, subjects.REGISTRY_WORKER_REGISTER, registration(), m.WorkerInfo)
         assert info.state == "alive"
     finally:

@@ -16,10 +16,12 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from libs.checkpoint import CheckpointIndex
+from libs.engine.engine import checkpoint_eos_ids
 from conftest import running_cluster, wait_for
+from conftest_models import reference_model
 
 pytestmark = pytest.mark.slow
 
@@ -97,22 +99,35 @@ def test_first_request_scales_from_zero_then_warm(cluster):
 
 
 def test_greedy_output_equals_hugging_face_generate(cluster, tiny_checkpoint):
+    """Greedy completions equal Hugging Face generate() on the same weights, whole and non-empty.
+
+    Both stop by the same rule: `max_tokens` (12), or the first token in the engine's stop set
+    (the checkpoint's eos ids: config.json and generation_config.json), which the reference is
+    given as its eos_token_id, so no stop token is forced past. The reference is decoded as the
+    gateway decodes (special tokens skipped), and the finish reason and token count follow."""
+    max_tokens = 12
     hf_dir = Path(tiny_checkpoint).parent / "hf"
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    stop_ids = sorted(checkpoint_eos_ids(tiny_checkpoint, CheckpointIndex.load(tiny_checkpoint)))
+    assert stop_ids  # the platform does stop at eos: the reference must follow the same rule
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)  # the one the gateway loads
+    model = reference_model(hf_dir)  # weights in aligned memory, as the workers hold them
     for prompt in ("The quick brown fox", "a"):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.inference_mode():
-            ref = model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12,
-                                 pad_token_id=tokenizer.pad_token_id)
-        expected = tokenizer.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
-        r = api(cluster).post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 12,
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 do_sample=False, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
+        new = ref[0, ids.shape[1]:].tolist()
+        new = new[:next((i + 1 for i, t in enumerate(new) if t in stop_ids), len(new))]  # padding after a stop
+        expected = tokenizer.decode(new, skip_special_tokens=True)
+        finish = "stop" if new and new[-1] in stop_ids else "length"
+        assert expected, (prompt, new)  # a reference that says nothing would prove nothing
+        r = api(cluster).post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
                                                       "temperature": 0})
+        assert r.status_code == 200, r.text
         got = r.json()
-        if got["choices"][0]["finish_reason"] == "length":
-            assert got["choices"][0]["text"] == expected
-        else:  # an eos before 12 tokens: the text must be a prefix of the forced continuation
-            assert expected.startswith(got["choices"][0]["text"])
+        assert got["choices"][0]["text"] == expected, (prompt, new)
+        assert got["choices"][0]["finish_reason"] == finish
+        assert got["usage"]["completion_tokens"] == len(new)  # an eos counts as generated
 
 
 def test_openai_client_completion_and_streamed_chat(cluster):
@@ -182,6 +197,8 @@ def test_every_bad_request_gets_an_openai_error(cluster):
     assert_openai_error(a.post("/admin/v1/models", json={"name": "x", "path": "/does/not/exist"}), 400, "path")
     assert_openai_error(a.post("/admin/v1/models", json={"name": "x", "path": "/tmp"}), 400, "path")
     assert_openai_error(a.post("/admin/v1/models", json={"name": "bad name!", "path": "/tmp"}), 400, "name")
+    assert_openai_error(a.post("/admin/v1/models", json={"name": "x", "path": "/tmp", "policy_params": {"tarjet": 4}}),
+                        400, "policy_params")
     assert_openai_error(a.get("/admin/v1/models/nope"), 404)
     assert_openai_error(a.delete("/admin/v1/models/nope"), 404)
     # nothing above disturbed serving

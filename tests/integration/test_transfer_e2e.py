@@ -257,8 +257,11 @@ def test_data_plane_processes_deliver_every_algorithm(n_nodes, nats_url):
 
 
 def test_a_request_handed_over_mid_generation_continues_exactly(cluster):
-    """The engine operation the planner uses to move a request: the worker recomputes the KV from the
-    tokens so far and streams on from the next index, the same tokens a single run produces."""
+    """A worker resuming a request from the tokens generated so far: a GenerateRequest with
+    `generated_ids`, the message the gateway sends another instance when it hands a request over
+    (sent here, by the test, to the same instance). The worker recomputes the KV from them and
+    streams on from the next index, the same tokens a single run produces. The hand-over itself
+    (the gateway noticing a failed instance and re-dispatching) is not exercised here."""
     src = serving_worker(cluster)
     instance = next(i["instance_id"] for i in cluster_view(cluster)["instances"]
                     if i["model"] == "tiny" and i["state"] == "ready")

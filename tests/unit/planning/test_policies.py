@@ -154,3 +154,5 @@ def test_policy_config_validation() -> None:
         ConcurrencyPolicy(target=0)
     with pytest.raises(ValueError):
         SloPolicy(ttft_slo_s=0, tpot_slo_s=1)
+    with pytest.raises(ValueError, match="quantile"):
+        SloPolicy(ttft_slo_s=1, tpot_slo_s=1, quantile=101)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import typer
 
-bench_app = typer.Typer(help="Benchmarks; each prints one JSON object with --json.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks; each prints one JSON object with --json.", no_args_is_help=True,
+                        add_completion=False)
 
 
 def _median_ms(fn: Callable[[], object], repeat: int) -> float:
