@@ -140,6 +140,8 @@ class Generation:
                 if not self.stops.stopped:
                     text += self.stops.feed(self.detok.finish())
                     text += self.stops.flush() if not self.stops.stopped else ""
+                    if self.stops.stopped:  # the stop string was in the text held back until the end
+                        finish = "stop"
                 self.finished = True
             if text or finish is not None:
                 yield Piece(text, finish, self.prompt_len, self.completion_tokens)

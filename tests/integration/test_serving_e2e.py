@@ -166,6 +166,13 @@ def test_seeds_stop_sequences_and_sampling_parameters(cluster):
                                           "temperature": 0, "stop": [stop]}).json()
     assert cut["choices"][0]["text"] == base[:base.index(stop)]
     assert cut["choices"][0]["finish_reason"] == "stop"
+    # A stop string completed only by the text held back to the end (the detokenizer keeps an incomplete
+    # UTF-8 tail: here the last token's bytes become U+FFFD only when the stream ends) still ends with "stop".
+    short = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+    tail = c.post("/v1/completions", json=short).json()["choices"][0]["text"]
+    assert "\ufffd\ufffd" in tail
+    held = c.post("/v1/completions", json={**short, "stop": ["\ufffd\ufffd"]}).json()["choices"][0]
+    assert (held["text"], held["finish_reason"]) == (tail[:tail.index("\ufffd\ufffd")], "stop")
 
 
 def test_every_bad_request_gets_an_openai_error(cluster):
