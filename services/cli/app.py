@@ -27,7 +27,12 @@ console = Console()
 def bench(ctx: typer.Context) -> None:
     """Benchmarks (plan, load, engine, multicast, scale, trace); each prints one JSON object with --json."""
     # benchmarks/ sits above services/ and nothing imports it: its commands are loaded by name, on use.
-    bench_app = importlib.import_module("benchmarks.cli").bench_app
+    try:
+        bench_app = importlib.import_module("benchmarks.cli").bench_app
+    except ModuleNotFoundError as e:
+        if e.name != "benchmarks":
+            raise
+        _fail("the benchmarks are not installed here (they ship with a source checkout, not the image)")
     typer.main.get_command(bench_app)(args=ctx.args, prog_name="layercast bench")
 
 DEFAULT_STATE_DIR = Path(".layercast")
