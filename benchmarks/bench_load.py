@@ -46,9 +46,8 @@ PROMPT_IDS = list(range(10, 26))  # the same 16-token prompt for every "ready" p
 def raw_direct_read_gbps(path: Path, threads: int, read_bytes: int) -> float:
     """Read the whole file front to back with O_DIRECT into reused buffers: no checksum, no placement.
 
-    The buffers come from a populated mmap region (a HostArena): on the dev VM, reads into
-    malloc'd torch memory measured up to 2x slower (0.74-0.83 vs 1.4-1.9 GB/s, same disk,
-    alternating), which would understate the bound.
+    The buffers come from a populated mmap region (a HostArena): reads into fresh malloc'd
+    memory pay a page fault per page and would understate the bound.
     """
     size = path.stat().st_size
     fd, direct = open_for_read(path, True)

@@ -47,14 +47,12 @@ from .hostmem import HostArena
 from .loader import ChecksumError, read_exactly
 
 IO_ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffers aligned to the logical block size
-# Defaults measured on the dev machine (2 cores, virtio disk of 1-2.5 GB/s), cold loads of a
-# 445 MB checkpoint into a host arena, best of 2: 1 reader 1.35-1.5 GB/s whatever the chunk;
-# 4 MiB..16 MiB x 4..8 readers 1.7-1.95 (within the disk's noise of each other); 64 MiB chunks
-# 1.6-1.75. 16 MiB x 4 keeps the syscall count and the GPU staging pool small.
-# `layercast bench load --sweep` repeats the sweep on other hardware.
+# Defaults from `layercast bench load --sweep` on the dev machine: several readers beat one,
+# chunks of 4..16 MiB are alike and larger ones slower; 16 MiB x 4 keeps the syscall count and
+# the GPU staging pool small. Run the sweep again on other hardware.
 DEFAULT_CHUNK_BYTES = 16 << 20
 # Each chunk is read in pieces of this size, so a cancelled job stops reading within one piece
-# (4 MiB reads measured as fast as 16 MiB ones above).
+# (the sweep found 4 MiB reads as fast as 16 MiB ones).
 READ_PIECE_BYTES = 4 << 20
 DEFAULT_THREADS = 4
 DEFAULT_POST_THREADS = 2  # crc32 runs at ~3 GB/s per core: two keep ahead of a fast SSD

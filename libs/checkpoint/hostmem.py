@@ -1,8 +1,7 @@
 """Host memory reserved up front for block buffers (ServerlessLLM's pinned memory pool).
 
 A cold load into freshly allocated memory pays for a page fault per 4 KiB page inside
-every read, as much CPU as the checksums on a small machine (measured: a 445 MB load at
-~1.1 GB/s into new memory, ~1.9 GB/s into memory already faulted in, on the same disk).
+every read, as much CPU as the checksums on a small machine.
 An arena maps and faults its whole region once, when the worker starts (page-locked when
 a GPU is present), and carves block buffers out of it.
 

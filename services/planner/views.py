@@ -1,7 +1,7 @@
 """The planner's copy of the registry's cluster view, kept between scale decisions.
 
-A scale-out's decision -> first byte is its latency (the issue's bound is 50 ms); a registry
-round trip under load took 14-42 ms of it. So the planner keeps the last ClusterView and uses
+A scale-out's decision -> first byte is its latency, and a registry round trip under load is
+a large part of it. So the planner keeps the last ClusterView and uses
 it while it is current: the registry counts every committed change to workers, models,
 replicas and instances and announces the count (ClusterChanged); a view read when the count
 was n holds at least n changes, so it is current until a higher count arrives. The planner
