@@ -11,7 +11,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from libs.db.session import make_sessionmaker, write_sessionmaker
 from libs.db.models import BlockReplica, Instance, Model, ModelBlock, ScaleOperation, Worker
-from libs.planning.autoscale import check_policy
 from libs.protocol import messages as m
 
 
@@ -167,9 +166,6 @@ class RegistryStore:
     # --- models ---------------------------------------------------------------------------
 
     async def deploy_model(self, req: m.DeployModel) -> m.ModelInfo:
-        # The scaling policy must accept its parameters before anything is stored (ValueError).
-        check_policy(req.policy, req.policy_params, min_instances=req.min_instances,
-                     max_instances=req.max_instances, keep_alive_s=req.keep_alive_s)
         async with self._changing() as s:
             row = await s.get(Model, req.name)
             if row is not None and row.state == "deployed":

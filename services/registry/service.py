@@ -111,7 +111,7 @@ class RegistryService(Service):
                 check_policy(req.policy, req.policy_params, min_instances=req.min_instances,
                              max_instances=req.max_instances, keep_alive_s=req.keep_alive_s)
             except ValueError as e:
-                raise DomainError(str(e)) from e  # a bad deployment, not a conflict with another
+                raise DomainError(str(e)) from e  # before anything is stored; a bad deployment, not a conflict
             try:
                 info = await self.store.deploy_model(req)
             except ValueError as e:
