@@ -1,6 +1,6 @@
 """Layer-range execution over block buffers, KV caches, sampling, and a local serving engine."""
 
-from .engine import AdmissionError, Engine, TokenOutput, checkpoint_eos_ids, local_stages
+from .engine import AdmissionError, Engine, TokenOutput, budgeted_stage, checkpoint_eos_ids, local_stages
 from .model import SUPPORTED_MODEL_TYPES, LayerRange, hf_config, warm_up
 from .sampling import SamplingParams, make_generator, sample_token
 from .stages import LocalStage, RemoteStage, StageServer
@@ -12,6 +12,7 @@ __all__ = [
     "LocalStage",
     "RemoteStage",
     "StageServer",
+    "budgeted_stage",
     "checkpoint_eos_ids",
     "local_stages",
     "LayerRange",

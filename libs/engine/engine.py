@@ -24,7 +24,9 @@ tokens it produced meanwhile (`catch_up`) before decoding moves (`release`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import logging
 import operator
 import os
 from collections import OrderedDict
@@ -41,6 +43,8 @@ from .kv import kv_bytes_per_slot
 from .model import BlockSource, LayerRange
 from .sampling import SamplingParams, make_generator, sample_token
 from .stages import LocalStage, Stage
+
+log = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length"]
 
@@ -74,6 +78,32 @@ class _Request:
     pending: list[int] = field(default_factory=list)  # context tokens not yet in the KV cache
     held: bool = False  # recomputed, waiting for release() before it decodes
     started: bool = False  # holds KV slots
+
+
+@dataclass
+class _Pass:
+    """One forward pass of a step: a micro-batch of decodes, or one request's prefill chunk."""
+
+    requests: list[_Request]
+    inputs: torch.Tensor
+    q_len: int
+    sample: bool  # its last position gives each request's next token
+
+    @property
+    def ids(self) -> list[str]:
+        return [r.id for r in self.requests]
+
+
+def _split(items: list, parts: int) -> list[list]:
+    """`items` in at most `parts` contiguous groups whose sizes differ by one at most."""
+    parts = min(parts, len(items))
+    size, extra = divmod(len(items), parts) if parts else (0, 0)
+    out, at = [], 0
+    for i in range(parts):
+        n = size + (1 if i < extra else 0)
+        out.append(items[at:at + n])
+        at += n
+    return out
 
 
 def _as_id_list(value) -> list[int]:
@@ -110,13 +140,7 @@ class Engine:
             if blocks is None:
                 raise ValueError("give the blocks (or the stages) to run")
             model = LayerRange(index, blocks, 0, index.n_blocks, device=self.device)
-            per_slot = kv_bytes_per_slot(model.config, model.layer_end - model.layer_start, self.max_seq_len,
-                                         model.dtype)
-            slots = min(max_batch_size, kv_cache_bytes // per_slot)
-            if slots < 1:
-                raise ValueError(f"a KV budget of {kv_cache_bytes} bytes cannot hold one request of "
-                                 f"{self.max_seq_len} tokens ({per_slot} bytes)")
-            stages = [LocalStage(model, slots, self.max_seq_len)]
+            stages = [budgeted_stage(model, max_batch_size, self.max_seq_len, kv_cache_bytes)]
         self.stages = list(stages)
         self.max_batch_size = min(max_batch_size, *(st.slots for st in self.stages))
         self.max_queue = 4 * self.max_batch_size if max_queue is None else max_queue
@@ -260,6 +284,17 @@ class Engine:
 
     # -- execution -----------------------------------------------------------------------
 
+    def runnable(self) -> bool:
+        """A step would not wait for a block still arriving (the worker's engine thread steps only
+        engines that can run, so one loading instance never stalls the others)."""
+        return all(st.model.runnable() for st in self.stages if isinstance(st, LocalStage))
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches a step keeps in flight: one per stage when a stage runs elsewhere
+        (2D pipelining, λScale Fig. 6a: each stage computes a different micro-batch at once)."""
+        return len(self.stages) if any(hasattr(st, "submit") for st in self.stages) else 1
+
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
         """Admit, decode one token for every running request, then prefill with what is left of the budget."""
@@ -269,12 +304,11 @@ class Engine:
                 stage.open(req.id)
             req.started = True
             self._active[req.id] = req
-        outputs: list[TokenOutput] = []
+        passes: list[_Pass] = []
         decoding = [r for r in self._active.values() if not r.pending and not r.held and r.output_ids]
-        if decoding:
-            ids = torch.tensor([[r.output_ids[-1]] for r in decoding], device=self.device)
-            logits = self._forward([r.id for r in decoding], ids, 1)
-            outputs += [self._advance(r, logits[i, -1]) for i, r in enumerate(decoding)]
+        for group in _split(decoding, self.micro_batches):
+            ids = torch.tensor([[r.output_ids[-1]] for r in group], device=self.device)
+            passes.append(_Pass(group, ids, 1, sample=True))
         budget = self.token_budget - len(decoding)
         for req in [r for r in self._active.values() if r.pending]:
             if budget <= 0:
@@ -282,11 +316,14 @@ class Engine:
             n = min(len(req.pending), self.prefill_chunk, budget)
             chunk, req.pending = req.pending[:n], req.pending[n:]
             budget -= n
-            logits = self._forward([req.id], torch.tensor([chunk], device=self.device), n)
-            if not req.pending and not req.output_ids:
-                # A fresh prompt is in: its last position gives the first token. (A resumed request's
-                # last token is still to be fed: it decodes on the next step.)
-                outputs.append(self._advance(req, logits[0, -1]))
+            # A fresh prompt, once in, gives the first token at its last position. (A resumed
+            # request's last token is still to be fed: it decodes on the next step.)
+            passes.append(_Pass([req], torch.tensor([chunk], device=self.device), n,
+                                sample=not req.pending and not req.output_ids))
+        outputs: list[TokenOutput] = []
+        for p, logits in zip(passes, self._run_passes(passes)):
+            if p.sample:
+                outputs += [self._advance(r, logits[i, -1]) for i, r in enumerate(p.requests)]
         return outputs
 
     def _forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -294,6 +331,45 @@ class Engine:
         last = len(self.stages) - 1
         for i, stage in enumerate(self.stages):
             x = stage.forward(request_ids, x, q_len, logits_to_keep=1 if i == last else 0)
+        return x
+
+    def _run_passes(self, passes: list[_Pass]) -> list[torch.Tensor]:
+        """Every pass through every stage; with stages elsewhere, passes overlap: each is sent
+        on to a remote stage as soon as it leaves the one before (stage servers queue calls
+        in order), and local stages compute while remote ones do."""
+        if self.micro_batches == 1 or len(passes) < 2:
+            return [self._forward(p.ids, p.inputs, p.q_len) for p in passes]
+        last = len(self.stages) - 1
+        remote = [hasattr(st, "submit") for st in self.stages]
+        timeout = max(getattr(st, "timeout_s", 60.0) for st in self.stages)
+        x = [p.inputs for p in passes]
+        at = [0] * len(passes)  # the stage each pass goes through next
+        waiting: dict[concurrent.futures.Future, int] = {}
+        finished = 0
+
+        def advanced(i: int, out: torch.Tensor) -> int:
+            x[i] = out
+            at[i] += 1
+            return 1 if at[i] > last else 0
+
+        while finished < len(passes):
+            in_flight = set(waiting.values())
+            for i, p in enumerate(passes):
+                if i not in in_flight and at[i] <= last and remote[at[i]]:
+                    waiting[self.stages[at[i]].submit(p.ids, x[i], p.q_len, 1 if at[i] == last else 0)] = i
+            in_flight = set(waiting.values())
+            local = next((i for i in range(len(passes)) if i not in in_flight and at[i] <= last), None)
+            if local is not None:
+                s = at[local]
+                finished += advanced(local, self.stages[s].forward(passes[local].ids, x[local], passes[local].q_len,
+                                                                    logits_to_keep=1 if s == last else 0))
+                continue
+            done, _ = concurrent.futures.wait(waiting, timeout=timeout,
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            if not done:
+                raise TimeoutError(f"no stage answered within {timeout} s")
+            for future in done:
+                finished += advanced(waiting.pop(future), future.result())
         return x
 
     def _advance(self, req: _Request, logits: torch.Tensor) -> TokenOutput:
@@ -311,9 +387,12 @@ class Engine:
 
     def _close(self, req: _Request) -> None:
         if req.started:
-            for stage in self.stages:
-                stage.close(req.id)
             req.started = False
+            for stage in self.stages:
+                try:
+                    stage.close(req.id)
+                except Exception as e:  # a stage that is gone (a pipeline's worker) has nothing left to free
+                    log.warning("closing %s on a stage failed: %s", req.id, e)
 
 
 def checkpoint_eos_ids(ckpt_dir: str | os.PathLike, index: CheckpointIndex) -> set[int]:
@@ -323,6 +402,17 @@ def checkpoint_eos_ids(ckpt_dir: str | os.PathLike, index: CheckpointIndex) -> s
     if gen_path.is_file():
         eos |= set(_as_id_list(json.loads(gen_path.read_text()).get("eos_token_id")))
     return eos
+
+
+def budgeted_stage(model: LayerRange, max_batch_size: int, max_seq_len: int,
+                   kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES) -> LocalStage:
+    """A local stage over `model` with as many KV slots as the budget holds (at most max_batch_size)."""
+    per_slot = kv_bytes_per_slot(model.config, model.layer_end - model.layer_start, max_seq_len, model.dtype)
+    slots = min(max_batch_size, kv_cache_bytes // per_slot)
+    if slots < 1:
+        raise ValueError(f"a KV budget of {kv_cache_bytes} bytes cannot hold one request of "
+                         f"{max_seq_len} tokens ({per_slot} bytes)")
+    return LocalStage(model, slots, max_seq_len)
 
 
 def local_stages(index: CheckpointIndex, blocks: Mapping[int, torch.Tensor], splits: Sequence[int],

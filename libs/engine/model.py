@@ -57,7 +57,10 @@ def warm_up(model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES, attn_implement
 
 
 class BlockSource(Protocol):
-    """Blocks that are still arriving (a loader's LoadJob): `wait` blocks until one is verified."""
+    """Blocks that are still arriving (a loader's LoadJob): `wait` blocks until one is verified.
+
+    A source may also offer `ready(block_id) -> bool` (has it arrived?): an engine over it can
+    then tell whether a forward pass would wait (LayerRange.runnable)."""
 
     def wait(self, block_id: int, timeout: float | None = None) -> torch.Tensor: ...
 
@@ -174,6 +177,14 @@ class LayerRange(nn.Module):
     def complete(self) -> bool:
         """Every block of the range is bound (nothing left to wait for)."""
         return not self._unbound
+
+    def runnable(self) -> bool:
+        """A forward pass would not wait for a block: each one is bound or has arrived (a source
+        that cannot say counts as still arriving)."""
+        if not self._unbound:
+            return True
+        ready = getattr(self._source, "ready", None)
+        return ready is not None and all(ready(b) for b in self._unbound)
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)

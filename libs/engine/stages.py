@@ -12,6 +12,7 @@ per forward pass.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import json
 import logging
@@ -125,6 +126,10 @@ class StageServer:
     def add(self, stage_id: str, stage: LocalStage) -> None:
         self.stages[stage_id] = stage
 
+    def remove(self, stage_id: str) -> None:
+        """Stop serving a stage (its KV cache goes with it); later calls for it fail."""
+        self.stages.pop(stage_id, None)
+
     def close(self) -> None:
         self._inbox.put(None)
         self._thread.join(5)
@@ -176,15 +181,37 @@ class RemoteStage:
         self.timeout_s = timeout_s
         self._replies = _replies_of(transport)
 
-    def _call(self, header: dict, tensor: torch.Tensor | None = None) -> torch.Tensor | None:
+    def _submit(self, header: dict, tensor: torch.Tensor | None = None) -> concurrent.futures.Future:
+        """Send a call; the future holds its result (or raises the stage's error)."""
         call_id = f"{self.transport.node_id}:{next(self._ids)}"
-        waiter = self._replies.expect(call_id)
-        self.transport.send_message(self.peer, self.address, CALL_CHANNEL,
-                                    pack({**header, "call_id": call_id, "stage": self.stage_id}, tensor))
-        header, out = self._replies.wait(call_id, waiter, self.timeout_s)
-        if not header.get("ok"):
-            raise RuntimeError(f"stage {self.stage_id} on {self.peer}: {header.get('error')}")
-        return out
+        reply = self._replies.expect(call_id)
+        result: concurrent.futures.Future = concurrent.futures.Future()
+
+        def done(f: concurrent.futures.Future) -> None:
+            if f.exception() is not None:
+                result.set_exception(f.exception())
+                return
+            head, out = f.result()
+            if head.get("ok"):
+                result.set_result(out)
+            else:
+                result.set_exception(RuntimeError(f"stage {self.stage_id} on {self.peer}: {head.get('error')}"))
+
+        reply.add_done_callback(done)
+        try:
+            self.transport.send_message(self.peer, self.address, CALL_CHANNEL,
+                                        pack({**header, "call_id": call_id, "stage": self.stage_id}, tensor))
+        except BaseException:
+            self._replies.forget(call_id)
+            raise
+        return result
+
+    def _call(self, header: dict, tensor: torch.Tensor | None = None) -> torch.Tensor | None:
+        future = self._submit(header, tensor)
+        try:
+            return future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"no reply from stage {self.stage_id} on {self.peer} within {self.timeout_s}s") from None
 
     def open(self, request_id: str) -> None:
         self._call({"op": "open", "request_id": request_id})
@@ -194,8 +221,14 @@ class RemoteStage:
 
     def forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, logits_to_keep: int = 0
                 ) -> torch.Tensor:
-        return self._call({"op": "forward", "request_ids": request_ids, "q_len": q_len,
-                           "logits_to_keep": logits_to_keep}, inputs)
+        return self.submit(request_ids, inputs, q_len, logits_to_keep).result(self.timeout_s)
+
+    def submit(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, logits_to_keep: int = 0
+               ) -> concurrent.futures.Future:
+        """A forward pass sent without waiting: the engine keeps other micro-batches moving
+        meanwhile (2D pipelining, λScale Fig. 6a)."""
+        return self._submit({"op": "forward", "request_ids": request_ids, "q_len": q_len,
+                             "logits_to_keep": logits_to_keep}, inputs)
 
 
 class _Replies:
@@ -203,21 +236,18 @@ class _Replies:
 
     def __init__(self, transport: Transport):
         self._lock = threading.Lock()
-        self._waiting: dict[str, list] = {}
+        self._waiting: dict[str, concurrent.futures.Future] = {}
         transport.on_message(REPLY_CHANNEL, self._on_reply)
 
-    def expect(self, call_id: str) -> list:
-        box = [threading.Event(), None]
+    def expect(self, call_id: str) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            self._waiting[call_id] = box
-        return box
+            self._waiting[call_id] = future
+        return future
 
-    def wait(self, call_id: str, box: list, timeout_s: float):
-        if not box[0].wait(timeout_s):
-            with self._lock:
-                self._waiting.pop(call_id, None)
-            raise TimeoutError(f"no reply to stage call {call_id} within {timeout_s}s")
-        return box[1]
+    def forget(self, call_id: str) -> None:
+        with self._lock:
+            self._waiting.pop(call_id, None)
 
     def _on_reply(self, src: str, payload: bytes) -> None:
         try:
@@ -226,10 +256,9 @@ class _Replies:
             log.warning("malformed stage reply from %s dropped: %s", src, e)
             return
         with self._lock:
-            box = self._waiting.pop(str(header.get("call_id")), None)
-        if box is not None:
-            box[1] = (header, tensor)
-            box[0].set()
+            future = self._waiting.pop(str(header.get("call_id")), None)
+        if future is not None:
+            future.set_result((header, tensor))
 
 
 _REPLIES: weakref.WeakKeyDictionary[Transport, _Replies] = weakref.WeakKeyDictionary()

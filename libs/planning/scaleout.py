@@ -4,9 +4,12 @@ A deployment's scaling mode decides how its scale-outs move blocks, so the basel
 run in the same system as layercast (:data:`MODES`):
 
 - ``layercast``: the planner's choice (:func:`~libs.planning.multicast_choice.choose_multicast`,
-  fastest completion) among binomial, k-way binomial and chains;
+  earliest serving capacity) among binomial, k-way binomial and chains; while a binomial
+  multicast runs, its receivers serve as execution pipelines (libs.planning.pipelines) and
+  switch to local instances once they hold the whole model;
 - ``chain`` (BlitzScale): one chain per source over its share of the targets;
-- ``binomial`` (λScale): k-way binomial pipeline, k = the number of sources;
+- ``binomial`` (λScale's multicast, serving only on complete copies: the baseline for
+  pipelines): k-way binomial pipeline, k = the number of sources;
 - ``faasnet``: a binary tree from one source;
 - ``serverlessllm``: no multicast, every target loads from its own host cache or disk;
 - ``static``: a fixed number of instances (min_instances), no scaling;
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from libs.planning.multicast import (
     Transfer,
@@ -38,6 +41,7 @@ from libs.planning.multicast import (
     step_bound_s,
 )
 from libs.planning.multicast_choice import choose_multicast
+from libs.planning.pipelines import multicast_pipelines
 from libs.planning.placement import Candidate, Held, LiveInstance, full_copies, pick_targets, pick_victims
 from libs.protocol import messages as m
 
@@ -137,11 +141,25 @@ def _every_source(algorithm: str) -> MulticastChoiceFn:
     return lambda n_sources, n_targets, *_: (algorithm, min(n_sources, n_targets))
 
 
-def _fastest(n_sources: int, n_targets: int, model_bytes: int, n_blocks: int, link_gbps: float) -> tuple[str, int]:
-    choice = choose_multicast(n_sources, n_targets, model_bytes, n_blocks, link_gbps, live=False)
+def _earliest_capacity(n_sources: int, n_targets: int, model_bytes: int, n_blocks: int,
+                       link_gbps: float) -> tuple[str, int]:
+    # λScale's live objective: the earliest serving capacity (a pipeline or a first copy).
+    choice = choose_multicast(n_sources, n_targets, model_bytes, n_blocks, link_gbps, live=True)
     if choice.algorithm == "chain":
         return "chain", choice.k
     return "binomial", choice.k if choice.algorithm == "kway" else 1
+
+
+def predicted(plan: MulticastPlan, n_targets: int, model_bytes: int, n_blocks: int,
+              link_gbps: float) -> dict[str, float | None]:
+    """What the cost model predicts for `plan` (seconds from its first byte): the first
+    pipeline, the first complete copy, the last copy (the scale operation records it beside
+    what happened)."""
+    name = "chain" if plan.algorithm == "chain" else "kway" if plan.k > 1 else "binomial"
+    if plan.algorithm not in ("chain", "binomial"):
+        return {}
+    p = choose_multicast(plan.k, n_targets, model_bytes, n_blocks, link_gbps, live=True).predictions[name]
+    return {"first_pipeline_s": p.first_pipeline_s, "first_copy_s": p.first_copy_s, "completion_s": p.completion_s}
 
 
 @dataclass(frozen=True)
@@ -155,12 +173,15 @@ class ModeSpec:
     serve_while_loading: bool = True  # False: stop-the-world, ready once every block is loaded
     fixed_at_min: bool = False  # the instance count is min_instances whatever is asked
     host_keep_alive_on_scale_in: bool = False  # a stopped instance's blocks stay in the host cache a while
+    # A binomial multicast's receivers serve as execution pipelines while the blocks arrive (they
+    # then load stop-the-world: the pipelines are their early capacity, λScale §4.3-4.4).
+    pipelines: bool = False
 
 
 MODES: dict[str, ModeSpec] = {
-    "layercast": ModeSpec(multicast=_fastest),
+    "layercast": ModeSpec(multicast=_earliest_capacity, pipelines=True),
     "chain": ModeSpec(multicast=_every_source("chain")),
-    "binomial": ModeSpec(multicast=_every_source("binomial")),
+    "binomial": ModeSpec(multicast=_every_source("binomial"), serve_while_loading=False),
     "faasnet": ModeSpec(multicast=_one_source("binary-tree")),
     "serverlessllm": ModeSpec(keeps_pool=False, serve_while_loading=False, host_keep_alive_on_scale_in=True),
     "static": ModeSpec(keeps_pool=False, fixed_at_min=True),
@@ -198,7 +219,9 @@ def alive_workers(view: m.ClusterView) -> dict[str, m.WorkerInfo]:
 
 
 def live_instances(view: m.ClusterView, model: str) -> list[m.InstanceInfo]:
-    return [i for i in view.instances if i.model == model and i.state in LIVE]
+    """The model's local instances, loading or serving. Execution pipelines are left out: they
+    are the early capacity of targets that count already, and retire once those are loaded."""
+    return [i for i in view.instances if i.model == model and i.state in LIVE and i.mode == "local"]
 
 
 def held_blocks(view: m.ClusterView, model: str) -> list[Held]:
@@ -240,7 +263,8 @@ class TargetLoad:
 def target_load(mode: str, worker_id: str, block_start: int, block_end: int, receives: bool = False) -> TargetLoad:
     spec = mode_spec(mode)
     return TargetLoad(worker_id, block_start, block_end, preheld=spec.preheld,
-                      serve_while_loading=spec.serve_while_loading, receives=receives)
+                      serve_while_loading=spec.serve_while_loading and not (receives and spec.pipelines),
+                      receives=receives)
 
 
 @dataclass(frozen=True)
@@ -255,6 +279,9 @@ class ScalePlan:
     receivers: tuple[str, ...] = ()  # targets without a full copy of their own
     multicast: MulticastPlan | None = None  # from the first k sources to the receivers
     link_gbps: float = 0.0  # the slowest link among sources and receivers
+    # Alg. 2's groups of receivers that may serve as execution pipelines while the blocks arrive
+    pipelines: tuple[tuple[str, ...], ...] = ()
+    prediction: Mapping[str, float | None] = field(default_factory=dict)  # see predicted()
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -282,6 +309,10 @@ class ScalePlan:
         if self.multicast:
             plan |= {"algorithm": self.multicast.algorithm, "k": self.multicast.k, "sources": list(self.senders),
                      "receivers": list(self.receivers)}
+        if self.pipelines:
+            plan["pipelines"] = [list(p) for p in self.pipelines]
+        if self.prediction:
+            plan["predicted"] = dict(self.prediction)
         return plan
 
 
@@ -326,7 +357,14 @@ def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest,
                               len(model.blocks), link_gbps) if link_gbps else None
     loads = tuple(target_load(model.scaling_mode, w, 0, len(model.blocks),
                               receives=multicast is not None and w in receivers) for w in targets)
-    return ScalePlan(model, len(live), desired, loads, tuple(sources), tuple(receivers), multicast, link_gbps)
+    pipelines: tuple[tuple[str, ...], ...] = ()
+    prediction: dict[str, float | None] = {}
+    if multicast is not None:
+        prediction = predicted(multicast, len(receivers), model.total_bytes, len(model.blocks), link_gbps)
+        if mode_spec(model.scaling_mode).pipelines and multicast.algorithm == "binomial":
+            pipelines = tuple(multicast_pipelines(plan_nodes(multicast, sources, receivers), multicast.k))
+    return ScalePlan(model, len(live), desired, loads, tuple(sources), tuple(receivers), multicast, link_gbps,
+                     pipelines, prediction)
 
 
 def plan_scale_in(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[str, int] | None = None, *,

@@ -223,6 +223,9 @@ class CreateInstance(Message):
 class InstanceEvent(Message):
     instance: InstanceInfo
     reason: str = ""
+    # A retiring execution pipeline (λScale §4.4 mode switch): the local instances its requests
+    # move to. The gateway hands them over (KV recompute) without counting it as a failure.
+    switched_to: list[str] = []
 
 
 class ScaleOpInfo(Message):
@@ -294,6 +297,36 @@ class LoadModel(Message):
     serve_while_loading: bool = True
 
 
+class StartPipeline(Message):
+    """Planner -> each stage worker of an execution pipeline (λScale §4.3): serve blocks
+    [block_start, block_end) of the blocks already in engine memory as stage i of
+    `instance_id`. Stage 0 (the entry) runs the engine, batching and sampling and calls the
+    others over the data plane (their addresses in `peers`); it is sent last, once the
+    others host their stages."""
+
+    op: Literal["pipeline"] = "pipeline"
+    instance_id: str
+    model: str
+    path: str
+    stages: list[Stage] = Field(min_length=2)
+    peers: dict[str, str]  # stage worker -> data-plane address
+    scale_op_id: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "StartPipeline":
+        workers = [s.worker_id for s in self.stages]
+        if len(set(workers)) != len(workers):
+            raise ValueError("a worker runs one stage of a pipeline")
+        if self.stages[0].block_start != 0 or any(a.block_end != b.block_start
+                                                  for a, b in zip(self.stages, self.stages[1:])):
+            raise ValueError("stages must cover the blocks from 0 in order, without gaps")
+        if any(s.block_start >= s.block_end for s in self.stages):
+            raise ValueError("a stage runs at least one block")
+        if missing := set(workers) - set(self.peers):
+            raise ValueError(f"no data-plane address for {sorted(missing)}")
+        return self
+
+
 class FetchBlocks(Message):
     """Planner -> worker: read blocks from disk into the host tier (the parameter pool, or an
     `ideal` deployment's pre-held copy). `keep` pins them there until a ReleaseBlocks."""
@@ -324,8 +357,8 @@ class CancelTransfer(Message):
 
 
 class UnloadModel(Message):
-    """Planner -> worker: stop serving an instance once in-flight requests end.
-    Blocks stay in the host tier (bounded cache) so a later start is warm."""
+    """Planner -> worker: stop serving an instance once in-flight requests end (of a pipeline:
+    stop hosting its stage). Blocks stay in the host tier (bounded cache) so a later start is warm."""
 
     op: Literal["unload"] = "unload"
     instance_id: str
@@ -381,9 +414,9 @@ class TransferPart(Message):
 
 
 class WorkerCommand(RootModel[Annotated[LoadModel | UnloadModel | TransferPart | CancelTransfer | FetchBlocks
-                                         | ReleaseBlocks, Field(discriminator="op")]]):
+                                         | ReleaseBlocks | StartPipeline, Field(discriminator="op")]]):
     """What arrives on subjects.worker_command(...): a LoadModel, an UnloadModel, a TransferPart,
-    a CancelTransfer, a FetchBlocks or a ReleaseBlocks."""
+    a CancelTransfer, a FetchBlocks, a ReleaseBlocks or a StartPipeline."""
 
 
 class CommandAck(Message):
@@ -452,6 +485,9 @@ class GenerateAccepted(Message):
 
 class CancelRequest(Message):
     request_id: str
+    # The instance it ran on (a hand-over may move it to another instance of the same worker);
+    # None: wherever it runs on this worker.
+    instance_id: str | None = None
 
 
 class TokenEvent(Message):

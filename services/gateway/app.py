@@ -274,5 +274,7 @@ def _sse(gen: Generation, events: AsyncIterator[dict]) -> StreamingResponse:
         finally:
             await gen.close()
 
+    # x-layercast-instance: where the request was sent (a local instance or an execution pipeline).
     return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                      "x-layercast-instance": gen.route.instance_id})

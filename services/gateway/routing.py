@@ -1,6 +1,8 @@
 """Per-model routing table and admission queue of the gateway.
 
-A request takes a slot on the least-loaded ready instance; with no free slot
+A request takes a slot on the least-loaded ready instance. Instances whose blocks are still
+arriving (serve-while-loading) get work only when every warm instance and pipeline is
+saturated: their requests would wait for blocks. With no free slot
 it waits in a bounded FIFO queue (full: 429), for at most `queue_timeout_s`
 (then 503). Both carry a Retry-After. Waiting requests are the demand the
 load-monitor sees, which is how a model at zero instances scales up.
@@ -19,6 +21,7 @@ class Route:
     instance_id: str
     worker_id: str
     in_flight: int = 0
+    loading: bool = False  # serving while its blocks still arrive
 
 
 @dataclass
@@ -39,17 +42,22 @@ class ModelRoutes:
     def in_flight(self) -> int:
         return sum(r.in_flight for r in self.routes.values())
 
-    def add(self, instance_id: str, worker_id: str) -> None:
-        if instance_id not in self.routes:
-            self.routes[instance_id] = Route(instance_id, worker_id)
-            self._wake()
+    def add(self, instance_id: str, worker_id: str, loading: bool = False) -> None:
+        route = self.routes.get(instance_id)
+        if route is None:
+            self.routes[instance_id] = Route(instance_id, worker_id, loading=loading)
+        elif route.loading and not loading:
+            route.loading = False
+        else:
+            return
+        self._wake()
 
     def remove(self, instance_id: str) -> Route | None:
         return self.routes.pop(instance_id, None)
 
     def _free_route(self) -> Route | None:
         free = [r for r in self.routes.values() if r.in_flight < self.slots_per_instance]
-        return min(free, key=lambda r: (r.in_flight, r.instance_id)) if free else None
+        return min(free, key=lambda r: (r.loading, r.in_flight, r.instance_id)) if free else None
 
     def _wake(self) -> None:
         while self._waiters:

@@ -86,6 +86,7 @@ class Generation:
         self.prompt_len, self.started, self.span = len(prompt_ids), started, span
         self.token_ids: list[int] = []  # generated so far: a hand-over recomputes their KV elsewhere
         self.handovers = 0
+        self.switches = 0  # hand-overs of a pipeline's mode switch: planned, not failures
         self.queue: asyncio.Queue[m.TokenEvent] = asyncio.Queue()
         self.detok = IncrementalDetokenizer(entry.tokenizer)
         self.stops = StopMatcher(stops)
@@ -149,11 +150,12 @@ class Generation:
     async def _hand_over(self, why: str) -> bool:
         """Its instance failed or was stopped: go on on another instance, which recomputes the
         KV cache of the prompt and the tokens so far (the client sees one unbroken stream)."""
-        if self.handovers >= MAX_HANDOVERS or self.finished:
+        if self.handovers - self.switches >= MAX_HANDOVERS or self.finished:
             return False
         self.handovers += 1
         old = self.route
-        await publish(self.gw.broker, subjects.worker_cancel(old.worker_id), m.CancelRequest(request_id=self.request_id))
+        await publish(self.gw.broker, subjects.worker_cancel(old.worker_id),
+                      m.CancelRequest(request_id=self.request_id, instance_id=old.instance_id))
         self.entry.routes.release(old)
         while not self.queue.empty():
             self.queue.get_nowait()  # what the old instance sent is stale
@@ -175,7 +177,7 @@ class Generation:
         self.entry.routes.release(self.route)
         if not self.finished:
             await publish(self.gw.broker, subjects.worker_cancel(self.route.worker_id),
-                          m.CancelRequest(request_id=self.request_id))
+                          m.CancelRequest(request_id=self.request_id, instance_id=self.route.instance_id))
         self.span.set_attribute("layercast.completion_tokens", self.completion_tokens)
         self.span.end()
 
@@ -236,26 +238,28 @@ class GatewayService(Service):
         if entry is not None:
             entry.routes.fail_all(f"model {name!r} was deleted")
 
-    def _apply_instance(self, inst: m.InstanceInfo) -> None:
+    def _apply_instance(self, inst: m.InstanceInfo, switched_to: list[str] = ()) -> None:
         if inst.state not in (m.InstanceState.loading, m.InstanceState.ready):
             self.ended.mark(inst.instance_id)
         entry = self.models.get(inst.model)
         if entry is None:
             return
         if inst.state == m.InstanceState.ready and inst.instance_id not in self.ended:
-            entry.routes.add(inst.instance_id, inst.entry_worker)
+            entry.routes.add(inst.instance_id, inst.entry_worker, loading=inst.loaded_at is None)
         elif inst.state == m.InstanceState.draining:
             entry.routes.remove(inst.instance_id)  # no new requests; those running there finish there
         elif inst.state != m.InstanceState.ready:
-            self._drop_route(entry, inst.instance_id, f"instance {inst.state.value}")
+            why = f"switched to {', '.join(switched_to)}" if switched_to else f"instance {inst.state.value}"
+            self._drop_route(entry, inst.instance_id, why, switched=bool(switched_to))
 
-    def _drop_route(self, entry: ModelEntry, instance_id: str, why: str) -> None:
+    def _drop_route(self, entry: ModelEntry, instance_id: str, why: str, switched: bool = False) -> None:
         route = entry.routes.remove(instance_id)
         if route is None:
             return
-        # Requests running there can no longer finish: fail them now rather than wait for a timeout.
+        # Requests running there can no longer finish: move them now rather than wait for a timeout.
         for rid, gen in list(self.streams.items()):
             if gen.route is route:
+                gen.switches += switched
                 gen.queue.put_nowait(m.TokenEvent(request_id=rid, index=-1, finished=True, finish_reason="error",
                                                   error=why))
 
@@ -306,7 +310,7 @@ class GatewayService(Service):
         @b.subscriber(subjects.EVENT_INSTANCE)
         @on_event(m.InstanceEvent)
         async def instance(ev: m.InstanceEvent) -> None:
-            self._apply_instance(ev.instance)
+            self._apply_instance(ev.instance, ev.switched_to)
 
         @b.subscriber(subjects.EVENT_MODEL)
         @on_event(m.ModelEvent)

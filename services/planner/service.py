@@ -14,10 +14,12 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
+from libs.planning.pipelines import FormedPipeline, pipelines_to_form, pipelines_to_retire
 from libs.planning.pool import PoolFill, plan_pool_fills
 from libs.planning.scaleout import (
     SERVERLESSLLM_KEEP_ALIVE_S,
@@ -60,6 +62,27 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
+@dataclass
+class _PipelineWatch:
+    """A scale-out whose receivers serve as execution pipelines while its blocks arrive."""
+
+    op: m.ScaleOpInfo
+    model: m.ModelInfo
+    groups: tuple[tuple[str, ...], ...]  # Alg. 2's groups (ScalePlan.pipelines)
+    addresses: dict[str, str]  # worker -> data-plane address
+    instance_of: dict[str, str]  # target worker -> its local instance
+    holdings: dict[str, set[int]] = field(default_factory=dict)  # worker -> blocks in engine memory
+    started: list[tuple[str, ...]] = field(default_factory=list)  # groups formed (whatever became of them)
+    serving: dict[str, FormedPipeline] = field(default_factory=dict)  # pipeline instance -> its pipeline
+    local: set[str] = field(default_factory=set)  # targets whose local instance holds every block
+
+
+def _pipeline_info(model: str, instance_id: str, pipeline: FormedPipeline, state: m.InstanceState) -> m.InstanceInfo:
+    return m.InstanceInfo(instance_id=instance_id, model=model, mode="pipeline", state=state, created_at=time.time(),
+                          stages=[m.Stage(worker_id=s.worker_id, block_start=s.block_start, block_end=s.block_end)
+                                  for s in pipeline.stages])
+
+
 class PlannerService(Service):
     name = "planner"
 
@@ -74,6 +97,7 @@ class PlannerService(Service):
         self._waiting: dict[str, str] = {}  # instance_id -> scale_op_id
         self._load: dict[str, int] = {}  # worker_id -> running requests (worker metrics)
         self._pool_fills: dict[tuple[str, str], float] = {}  # (model, worker) -> when a fill was sent
+        self._watches: dict[str, _PipelineWatch] = {}  # scale_op_id -> its execution pipelines
         self.views = ClusterViewCache(self._read_cluster)
         self._subscribe()
 
@@ -139,6 +163,11 @@ class PlannerService(Service):
             for t in plan.loads:
                 if transfer_id and t.receives:
                     loads[t.worker_id].incoming_transfer = transfer_id
+            if transfer_id and plan.pipelines:
+                alive = alive_workers(view)
+                self._watches[op.scale_op_id] = _PipelineWatch(
+                    op, model, plan.pipelines, {w: alive[w].data_address for w in plan.targets},
+                    {w: load.instance_id for w, load in loads.items()})
             created = await asyncio.gather(*(self._create_instance(op, w, load, req.reason)
                                              for w, load in loads.items()))
             await asyncio.gather(*(self._command_load(op, w, load) for (w, load), ok in zip(loads.items(), created)
@@ -233,6 +262,92 @@ class PlannerService(Service):
             log.warning("scale-up %s: transfer to %s failed (%s); it loads what is missing from disk",
                         report.scale_op_id, report.worker_id, report.error)
 
+    # --- execution pipelines (λScale §4.3-4.4) ------------------------------------------------------
+    async def _block_arrived(self, ev: m.BlockEvent) -> None:
+        """A receiver made a block ready in engine memory: start the pipelines that can serve now."""
+        watch = self._watches.get(ev.scale_op_id or "")
+        if watch is None or ev.tier != m.Tier.gpu or ev.state != m.ReplicaState.ready:
+            return
+        watch.holdings.setdefault(ev.worker_id, set()).add(ev.block_id)
+        for pipeline in pipelines_to_form(watch.groups, watch.holdings, len(watch.model.blocks), watch.started):
+            watch.started.append(pipeline.members)
+            await self._start_pipeline(watch, pipeline)
+
+    async def _start_pipeline(self, watch: _PipelineWatch, pipeline: FormedPipeline) -> None:
+        """Register the pipeline, have the later stages host their ranges, then the entry serve."""
+        iid = _new_id("pipe")
+        op = watch.op
+        info = _pipeline_info(watch.model.name, iid, pipeline, m.InstanceState.loading)
+        try:
+            await call(self.broker, subjects.REGISTRY_INSTANCE_CREATE, m.CreateInstance(
+                instance_id=iid, model=info.model, stages=info.stages), m.InstanceInfo)
+        except (TimeoutError, RemoteError) as e:
+            log.warning("scale-up %s: pipeline over %s not registered: %s", op.scale_op_id, pipeline.workers, e)
+            return
+        start = m.StartPipeline(instance_id=iid, model=watch.model.name, path=watch.model.path, stages=info.stages,
+                                peers={w: watch.addresses[w] for w in pipeline.workers}, scale_op_id=op.scale_op_id)
+        watch.serving[iid] = pipeline
+        later = await asyncio.gather(*(self._command(w, start) for w in pipeline.workers[1:]))
+        why = next((x for x in later if x), None) or await self._command(pipeline.workers[0], start)
+        if why is not None:
+            log.warning("scale-up %s: pipeline %s over %s did not start: %s", op.scale_op_id, iid,
+                        ",".join(pipeline.workers), why)
+            await self._end_pipeline(watch, iid, m.InstanceState.failed, f"did not start: {why}")
+            return
+        op.timings[f"pipeline_ready:{iid}"] = time.time()
+        log.info("scale-up %s: pipeline %s serving on %s", op.scale_op_id, iid,
+                 ", ".join(f"{s.worker_id}[{s.block_start},{s.block_end})" for s in pipeline.stages))
+        if span := self._op_spans.get(op.scale_op_id):
+            span.add_event("pipeline_ready", {"layercast.instance": iid, "layercast.stages": len(pipeline.stages)})
+
+    async def _local_loaded(self, op_id: str, worker_id: str) -> None:
+        """A target holds the whole model: the pipelines all of whose stages do now retire."""
+        watch = self._watches.get(op_id)
+        if watch is None:
+            return
+        watch.local.add(worker_id)
+        for iid in pipelines_to_retire({i: p.workers for i, p in watch.serving.items()}, watch.local):
+            await self._retire_pipeline(watch, iid)
+
+    async def _retire_pipeline(self, watch: _PipelineWatch, iid: str) -> None:
+        """λScale §4.4 mode switch: the gateway moves the pipeline's requests to the new local
+        instances (which rebuild their KV from the tokens so far), then its stages stop."""
+        pipeline = watch.serving.get(iid)
+        if pipeline is None:
+            return
+        switched_to = [watch.instance_of[w] for w in pipeline.workers if w in watch.local]
+        await self._end_pipeline(watch, iid, m.InstanceState.stopped, "switched to local instances", switched_to)
+        watch.op.timings[f"switched:{iid}"] = time.time()
+        if span := self._op_spans.get(watch.op.scale_op_id):
+            span.add_event("pipeline_switched", {"layercast.instance": iid})
+
+    async def _end_pipeline(self, watch: _PipelineWatch, iid: str, state: m.InstanceState, reason: str,
+                            switched_to: list[str] = ()) -> None:
+        """Stop routing to the pipeline (the gateway hands its requests over), then stop its stages."""
+        pipeline = watch.serving.pop(iid, None)
+        if pipeline is None:
+            return
+        await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(
+            instance=_pipeline_info(watch.model.name, iid, pipeline, state), reason=reason,
+            switched_to=list(switched_to)))
+        unload = m.UnloadModel(instance_id=iid, drain_timeout_s=0.0, scale_op_id=watch.op.scale_op_id)
+        for w in pipeline.workers:
+            if why := await self._command(w, unload):
+                log.info("pipeline %s: stopping its stage on %s: %s", iid, w, why)
+
+    async def _pipeline_ended(self, inst: m.InstanceInfo) -> None:
+        """The entry worker reported the pipeline failed (a stage stopped answering)."""
+        for watch in self._watches.values():
+            if inst.instance_id in watch.serving:
+                await self._end_pipeline(watch, inst.instance_id, inst.state, "a stage failed")
+
+    async def _worker_lost(self, worker_id: str) -> None:
+        """A stage worker is gone: the pipelines it was part of fail (their requests are handed over)."""
+        for watch in list(self._watches.values()):
+            for iid, pipeline in list(watch.serving.items()):
+                if worker_id in pipeline.workers:
+                    await self._end_pipeline(watch, iid, m.InstanceState.failed, f"worker {worker_id} expired")
+
     async def _scale_down(self, scale_in: ScaleIn, req: m.ScaleRequest) -> m.ScaleOpInfo:
         model = scale_in.model
         op = m.ScaleOpInfo(scale_op_id=_new_id("op"), model=model, direction="down", reason=req.reason,
@@ -274,6 +389,11 @@ class PlannerService(Service):
     async def _maybe_close(self, scale_op_id: str) -> None:
         if any(op == scale_op_id for op in self._waiting.values()):
             return
+        watch = self._watches.pop(scale_op_id, None)
+        if watch is not None:
+            # Every target is loaded or failed: no pipeline is needed any more.
+            for iid in list(watch.serving):
+                await self._retire_pipeline(watch, iid)
         op = self._open_ops.pop(scale_op_id, None)
         OPEN_OPS.set(len(self._open_ops))
         span = self._op_spans.pop(scale_op_id, None)
@@ -399,6 +519,10 @@ class PlannerService(Service):
         async def instance(ev: m.InstanceEvent) -> None:
             self.views.mark_stale()
             inst = ev.instance
+            if inst.mode == "pipeline":
+                if inst.state in (m.InstanceState.failed, m.InstanceState.stopped) and not ev.switched_to:
+                    await self._pipeline_ended(inst)
+                return
             op_id = self._waiting.get(inst.instance_id)
             if op_id is None or inst.state == m.InstanceState.loading:
                 return
@@ -418,6 +542,7 @@ class PlannerService(Service):
                     op.timings[f"loaded:{inst.instance_id}"] = inst.loaded_at
                 if span is not None:
                     span.add_event("instance_loaded", attrs)
+                await self._local_loaded(op_id, inst.entry_worker)
             else:
                 # failed, or stopped/draining: a scale-in took it before it was loaded
                 if op is not None:
@@ -426,6 +551,11 @@ class PlannerService(Service):
                     span.add_event(f"instance_{inst.state.value}", attrs)
             del self._waiting[inst.instance_id]
             await self._maybe_close(op_id)
+
+        @b.subscriber(subjects.EVENT_BLOCK)
+        @on_event(m.BlockEvent)
+        async def block(ev: m.BlockEvent) -> None:
+            await self._block_arrived(ev)
 
         @b.subscriber(subjects.EVENT_TRANSFER)
         @on_event(m.TransferReport)
@@ -437,6 +567,7 @@ class PlannerService(Service):
         async def worker_expired(ev: m.WorkerExpired) -> None:
             self.views.mark_stale()
             self._load.pop(ev.worker_id, None)
+            await self._worker_lost(ev.worker_id)
             await self.check_pool()
 
         @b.subscriber(subjects.EVENT_MODEL)

@@ -182,7 +182,8 @@ class RegistryService(Service):
         @on_event(m.InstanceEvent)
         async def instance(ev: m.InstanceEvent) -> None:
             await self.store.record_instance(ev.instance)
-            if ev.instance.scale_op_id and ev.instance.state == m.InstanceState.ready:
+            # A scale-out's local instances are timed here; its pipelines by the planner (pipeline_ready:).
+            if ev.instance.scale_op_id and ev.instance.state == m.InstanceState.ready and ev.instance.mode == "local":
                 await self.store.add_scale_op_timing(ev.instance.scale_op_id,
                                                      f"ready:{ev.instance.instance_id}",
                                                      ev.instance.ready_at or time.time())

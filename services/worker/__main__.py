@@ -46,6 +46,9 @@ def main() -> None:
                    default=float(env("LAYERCAST_EMULATED_HOST_TO_DEVICE_MBIT", "0")),
                    help="emulation only: pace host->device copies to this rate (Mbit/s), standing in "
                         "for PCIe on a CPU-only worker; 0: off")
+    p.add_argument("--emulated-link-mbit", type=float, default=float(env("LAYERCAST_EMULATED_LINK_MBIT", "0")),
+                   help="emulation without root: pace this worker's block sends to this rate (Mbit/s, tcp); "
+                        "0: off")
     p.add_argument("--health-host", default=env("LAYERCAST_HEALTH_HOST", "127.0.0.1"))
     p.add_argument("--health-port", type=int, default=int(env("LAYERCAST_HEALTH_PORT", "0")))
     a = p.parse_args()
@@ -60,7 +63,7 @@ def main() -> None:
         device=a.device, serve_while_loading=a.serve_while_loading, load_chunk_bytes=a.load_chunk_mib << 20,
         load_threads=a.load_threads, transport=a.transport, rdma_device=a.rdma_device,
         kv_cache_bytes=int(a.kv_cache_gb * (1 << 30)),
-        emulated_host_to_device_mbit=a.emulated_host_to_device_mbit,
+        emulated_host_to_device_mbit=a.emulated_host_to_device_mbit, emulated_link_mbit=a.emulated_link_mbit,
     )
     run(lambda: WorkerService(config), a.health_host, a.health_port)
 

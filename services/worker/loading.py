@@ -60,6 +60,10 @@ class _BlockFutures:
             if not f.done():
                 f.set_exception(error)
 
+    def ready(self, block_id: int) -> bool:
+        """Arrived (or failed): waiting for it would not block."""
+        return block_id in self.futures and self.futures[block_id].done()
+
     def wait(self, block_id: int, timeout: float | None = None) -> torch.Tensor:
         if block_id not in self.futures:
             raise KeyError(f"block {block_id} is not part of this load")
@@ -67,6 +71,18 @@ class _BlockFutures:
             return self.futures[block_id].result(timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"block {block_id} not ready after {timeout} s") from None
+
+
+async def _next_ready(remaining: list[int], plan, incoming: dict[int, asyncio.Future]) -> int:
+    """The next block of a load to take: one the host tier holds, else one a transfer has
+    brought, else the next disk read (the loader reads in order), else the first to arrive."""
+    for source in (BlockSource.host, BlockSource.transfer, BlockSource.disk):
+        for b in remaining:
+            if plan.of(b) is source and (source is not BlockSource.transfer or incoming[b].done()):
+                return b
+    waiting = {incoming[b]: b for b in remaining}
+    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    return min(waiting[f] for f in done)
 
 
 class _LoadStopped(Exception):
@@ -78,6 +94,21 @@ class InstanceLoading:
 
     def __init__(self, worker: WorkerService):
         self.worker = worker
+        # instance -> (model, block -> its engine-memory buffer): what this worker's loads have
+        # made ready so far, which execution-pipeline stages run on (views: no copy)
+        self.in_engine: dict[str, tuple[str, dict[int, torch.Tensor]]] = {}
+
+    def blocks_in_engine(self, model: str) -> dict[int, torch.Tensor]:
+        """Every block of `model` in this worker's engine memory, whichever load brought it."""
+        out: dict[int, torch.Tensor] = {}
+        for name, blocks in self.in_engine.values():
+            if name == model:
+                out.update(blocks)
+        return out
+
+    def forget(self, instance_id: str) -> None:
+        """The instance stopped: its buffers are no longer this worker's to run stages on."""
+        self.in_engine.pop(instance_id, None)
 
     async def load(self, cmd: m.LoadModel, info: m.InstanceInfo) -> None:
         """Load blocks nearest tier first; a full-model instance starts serving after its first block
@@ -131,14 +162,19 @@ class InstanceLoading:
                     Engine, index, arriving, device=config.device,
                     max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
                     kv_cache_bytes=config.kv_cache_bytes)) if full else None
-                for b in wanted:
+                remaining = list(wanted)
+                while remaining:
+                    # In the order the blocks land, not block order: a multicast brings each receiver
+                    # its own order, and a pipeline stage can run a block as soon as it is in.
+                    b = await _next_ready(remaining, plan, incoming)
+                    remaining.remove(b)
                     t0 = time.perf_counter()
                     host_buf = cached.get(b)
                     if plan.of(b) is BlockSource.transfer:
                         host_buf = await incoming[b]
                         if host_buf is None:
                             # The transfer ended without it: read it, and what else did not come, from disk.
-                            arrived = {x for x in wanted[wanted.index(b):] if plan.of(x) is BlockSource.transfer
+                            arrived = {x for x in wanted if plan.of(x) is BlockSource.transfer
                                        and incoming[x].done() and incoming[x].result() is not None}
                             plan, lost = reread_lost(plan, b, arrived)
                             log.info("load of %s: blocks %s did not arrive; reading them from disk", cmd.model, lost)
@@ -160,6 +196,8 @@ class InstanceLoading:
                         await w._report_evicted(w.cache.put((cmd.model, b), host_buf))
                         await asyncio.to_thread(self.pace, device_buf.numel(), cmd.preheld)
                     arriving.set(b, device_buf)
+                    self.in_engine.setdefault(iid, (cmd.model, {}))[1][b] = device_buf
+                    w.runtime.wake()  # an attached engine that waited for this block may run now
                     if iid in w._unload_asked or attached and iid not in w.instances:
                         raise _LoadStopped("unloaded by planner while loading")
                     seconds = time.perf_counter() - t0
@@ -181,9 +219,9 @@ class InstanceLoading:
                     span.set_attribute("layercast.disk_gbps", round(done.stats.gbps, 3))
                     span.set_attribute("layercast.o_direct", done.stats.direct)
                 if not full:
-                    # A partial range holds its blocks for a pipeline; pipeline serving
-                    # (activations between stages) is the engine issue's work.
-                    raise DomainError("only full-model local instances can serve in this version")
+                    # Pipeline stages run over blocks a full load has made ready (StartPipeline).
+                    raise DomainError("a LoadModel loads the whole model; execution-pipeline stages start "
+                                      "with a StartPipeline over blocks already loaded")
                 if not attached:
                     engine = await building
                     if iid in w._unload_asked:
@@ -199,6 +237,7 @@ class InstanceLoading:
                     log.exception("loading %s failed", cmd.model)
                     span.record_exception(e)
                 arriving.fail(e)
+                self.forget(iid)
                 if building is not None:
                     building.add_done_callback(lambda f: f.exception())  # its outcome no longer matters
                 for j in jobs:

@@ -1,7 +1,9 @@
 """The engine thread of a worker: torch work runs here, off the event loop.
 
 The event loop submits requests and cancellations through a queue; the thread
-steps every engine that has work and hands token outputs back to the loop.
+steps every engine that has work and can run, and hands token outputs back to the
+loop. An engine whose blocks are still arriving is skipped until they have (the load
+calls `wake`), so a request waiting for a block never stalls another instance's tokens.
 Engines are not thread-safe, so only this thread ever touches them.
 """
 
@@ -28,6 +30,7 @@ class _Add:
 
 @dataclass
 class _Cancel:
+    instance_id: str
     request_id: str
 
 
@@ -43,17 +46,28 @@ class _Detach:
     done: Callable[[], None]
 
 
-# (request_id, output or None, error message or None)
-OutputSink = Callable[[list[tuple[str, TokenOutput | None, str | None]]], None]
+@dataclass
+class _Wake:
+    """Something an engine waited for happened (a block arrived): look again."""
+
+
+IDLE_RECHECK_S = 0.25  # an engine waiting for blocks is looked at again at least this often
+
+# (instance_id, request_id, output or None, error message or None). A request id is unique per
+# instance only: a request handed over between two instances of one worker runs under the same id.
+OutputSink = Callable[[list[tuple[str, str, TokenOutput | None, str | None]]], None]
+# (instance_id, error): a step of that instance failed (its requests got the error)
+FailureSink = Callable[[str, Exception], None]
 
 
 class EngineRuntime:
-    def __init__(self, loop: asyncio.AbstractEventLoop, sink: OutputSink):
+    def __init__(self, loop: asyncio.AbstractEventLoop, sink: OutputSink, on_failure: FailureSink | None = None):
         self._loop = loop
         self._sink = sink
+        self._on_failure = on_failure
         self._inbox: queue.Queue = queue.Queue()
         self._engines: dict[str, Engine] = {}
-        self._owner: dict[str, str] = {}  # request_id -> instance_id
+        self._running: set[tuple[str, str]] = set()  # (instance_id, request_id)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopping = False
 
@@ -78,11 +92,15 @@ class EngineRuntime:
                generated_ids: list[int] = ()) -> None:
         self._inbox.put(_Add(instance_id, request_id, prompt_ids, params, list(generated_ids)))
 
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(_Cancel(request_id))
+    def cancel(self, instance_id: str, request_id: str) -> None:
+        self._inbox.put(_Cancel(instance_id, request_id))
+
+    def wake(self) -> None:
+        """Thread-safe: an engine that waited for blocks may run now."""
+        self._inbox.put(_Wake())
 
     def running(self, instance_id: str | None = None) -> int:
-        return sum(1 for inst in list(self._owner.values()) if instance_id is None or inst == instance_id)
+        return sum(1 for inst, _ in list(self._running) if instance_id is None or inst == instance_id)
 
     # --- engine thread -----------------------------------------------------------------------
     def _emit(self, batch: list) -> None:
@@ -94,35 +112,40 @@ class EngineRuntime:
             self._engines[cmd.instance_id] = cmd.engine
         elif isinstance(cmd, _Detach):
             engine = self._engines.pop(cmd.instance_id, None)
-            for rid, inst in list(self._owner.items()):
+            for inst, rid in list(self._running):
                 if inst == cmd.instance_id:
                     if engine is not None:
                         engine.cancel(rid)
-                    del self._owner[rid]
-                    out.append((rid, None, "instance stopped"))
+                    self._running.discard((inst, rid))
+                    out.append((inst, rid, None, "instance stopped"))
             cmd.done()
         elif isinstance(cmd, _Add):
             engine = self._engines.get(cmd.instance_id)
             if engine is None:
-                out.append((cmd.request_id, None, f"instance {cmd.instance_id} is not on this worker"))
+                out.append((cmd.instance_id, cmd.request_id, None, f"instance {cmd.instance_id} is not on this worker"))
                 return
             try:
                 engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, generated_ids=cmd.generated_ids)
-                self._owner[cmd.request_id] = cmd.instance_id
+                self._running.add((cmd.instance_id, cmd.request_id))
             except (AdmissionError, ValueError) as e:
-                out.append((cmd.request_id, None, str(e)))
+                out.append((cmd.instance_id, cmd.request_id, None, str(e)))
         elif isinstance(cmd, _Cancel):
-            inst = self._owner.pop(cmd.request_id, None)
-            if inst is not None and inst in self._engines:
-                self._engines[inst].cancel(cmd.request_id)
+            key = (cmd.instance_id, cmd.request_id)
+            if key in self._running:
+                self._running.discard(key)
+                if cmd.instance_id in self._engines:
+                    self._engines[cmd.instance_id].cancel(cmd.request_id)
 
     def _run(self) -> None:
         while not self._stopping:
-            busy = any(e.has_work() for e in self._engines.values())
+            pending = [e for e in self._engines.values() if e.has_work()]
+            busy = any(e.runnable() for e in pending)
             out: list = []
             try:
-                # Block only when idle; otherwise drain what arrived and keep stepping.
-                cmd = self._inbox.get_nowait() if busy else self._inbox.get()
+                # Block only when idle (bounded while an engine waits for blocks); otherwise drain
+                # what arrived and keep stepping.
+                cmd = (self._inbox.get_nowait() if busy
+                       else self._inbox.get(timeout=IDLE_RECHECK_S if pending else None))
                 if cmd is None:
                     break
                 self._apply(cmd, out)
@@ -135,20 +158,23 @@ class EngineRuntime:
             except queue.Empty:
                 pass
             for instance_id, engine in list(self._engines.items()):
-                if not engine.has_work():
+                if not engine.has_work() or not engine.runnable():
                     continue
                 try:
                     for o in engine.step():
-                        if o.request_id not in self._owner:
+                        key = (instance_id, o.request_id)
+                        if key not in self._running:
                             continue  # cancelled while this step ran
-                        out.append((o.request_id, o, None))
+                        out.append((instance_id, o.request_id, o, None))
                         if o.finished:
-                            del self._owner[o.request_id]
+                            self._running.discard(key)
                 except Exception as e:  # a failing step fails its requests, not the worker
                     log.exception("engine step failed on %s", instance_id)
-                    for rid, inst in list(self._owner.items()):
+                    for inst, rid in list(self._running):
                         if inst == instance_id:
                             engine.cancel(rid)
-                            del self._owner[rid]
-                            out.append((rid, None, f"engine error: {e}"))
+                            self._running.discard((inst, rid))
+                            out.append((inst, rid, None, f"engine error: {e}"))
+                    if self._on_failure is not None:
+                        self._loop.call_soon_threadsafe(self._on_failure, instance_id, e)
             self._emit(out)

@@ -41,13 +41,15 @@ from libs.transfer.transports import make_transport
 from services.common.runner import Service
 from services.worker.host_cache import HostBlockCache
 from services.worker.loading import Instance, InstanceLoading
+from services.worker.pipelines import PipelineStages
 from services.worker.runtime import EngineRuntime
 from services.worker.transfers import TransferAgent
 
 log = logging.getLogger(__name__)
 _tracer = tracer("worker")
 
-TOKENS = Counter("layercast_worker_generated_tokens_total", "Tokens generated", ["model"])
+TOKENS = Counter("layercast_worker_generated_tokens_total", "Tokens generated (mode: local instance or execution "
+                 "pipeline)", ["model", "mode"])
 LOAD_BANDWIDTH = Gauge("layercast_worker_load_bandwidth_bytes_per_second", "Measured load bandwidth (moving average)",
                        ["link"])
 BANDWIDTH_EWMA_ALPHA = 0.3  # weight of the newest load in the per-link moving average
@@ -97,6 +99,8 @@ class WorkerConfig:
     # Emulation only (off: 0): the copy from the host tier into engine memory is paced to this
     # rate, standing in for PCIe on a CPU-only worker, where no OS knob throttles memcpy.
     emulated_host_to_device_mbit: float = 0.0
+    # Emulation without root (tests): this worker's block sends leave at most at this rate (tcp).
+    emulated_link_mbit: float = 0.0
 
 
 class _HostTierBlocks:
@@ -146,6 +150,7 @@ class _HostTierBlocks:
 class _Request:
     instance_id: str
     model: str
+    mode: str  # the instance's: local or pipeline
     reply_subject: str
     span: trace.Span
     next_index: int = 0
@@ -178,6 +183,7 @@ class WorkerService(Service):
         self._plan_parts = None  # the JetStream subscription for scale-operation parts
         self._tokens_since = 0
         self.loading = InstanceLoading(self)
+        self.pipelines = PipelineStages(self)
         # One handler per member of m.WorkerCommand.
         self._handlers: dict[type, Callable[..., Awaitable[m.CommandAck]]] = {
             m.TransferPart: self._on_transfer_part,
@@ -186,6 +192,7 @@ class WorkerService(Service):
             m.FetchBlocks: self._on_fetch,
             m.ReleaseBlocks: self._on_release,
             m.UnloadModel: self._on_unload,
+            m.StartPipeline: self.pipelines.start,
         }
         self._subscribe()
 
@@ -227,7 +234,7 @@ class WorkerService(Service):
             pin = torch.device(self.config.device).type == "cuda"
             self.loader.arena = await asyncio.to_thread(HostArena, self.config.host_arena_bytes, pin)
             log.info("host arena of %d bytes reserved for block buffers", self.loader.arena.capacity_bytes)
-        self.runtime = EngineRuntime(asyncio.get_running_loop(), self._on_outputs)
+        self.runtime = EngineRuntime(asyncio.get_running_loop(), self._on_outputs, self._on_engine_failure)
         self.runtime.start()
         self.transport = self._make_transport(asyncio.get_running_loop())
         self.transfers = TransferAgent(self.broker, self.transport, self.config.worker_id, _HostTierBlocks(self))
@@ -274,13 +281,14 @@ class WorkerService(Service):
 
         return make_transport(c.transport, c.worker_id, host=c.data_host, port=c.data_port,
                               advertise_host=advertised_data_host(c), exchange=exchange,
-                              rdma_device=c.rdma_device)
+                              rdma_device=c.rdma_device, egress_mbit=c.emulated_link_mbit)
 
     async def stop(self) -> None:
         if self._plan_parts is not None:
             await self._plan_parts.unsubscribe()
         for inst in list(self.instances.values()):
             await self._stop_instance(inst, reason="worker shutting down")
+        self.pipelines.close()
         if self.transfers:
             await self.transfers.stop()
         if self.transport:
@@ -318,8 +326,16 @@ class WorkerService(Service):
         gone = [k for k in keys if self.cache.remove(k)]
         await self._report_evicted(gone)
 
+    def _on_engine_failure(self, instance_id: str, error: Exception) -> None:
+        """A step failed. A pipeline's stage is elsewhere: its worker died or its link broke, so
+        the pipeline fails (its requests already got the error: the gateway hands them over)."""
+        inst = self.instances.get(instance_id)
+        if inst is not None and inst.info.mode == "pipeline" and not inst.draining:
+            self.spawn(self._stop_instance(inst, f"a stage failed: {error}", state=m.InstanceState.failed))
+
     async def _stop_instance(self, inst: Instance, reason: str, drain_timeout_s: float = 0.0,
-                             host_keep_alive_s: float | None = None) -> None:
+                             host_keep_alive_s: float | None = None,
+                             state: m.InstanceState = m.InstanceState.stopped) -> None:
         inst.draining = True
         deadline = time.monotonic() + drain_timeout_s
         while self.runtime.running(inst.info.instance_id) and time.monotonic() < deadline:
@@ -333,20 +349,21 @@ class WorkerService(Service):
             await self._report_evicted(self.cache.unpin(key))
         if host_keep_alive_s is not None:
             self.spawn(self._expire_after(released, host_keep_alive_s))
-        info = inst.info.model_copy(update={"state": m.InstanceState.stopped})
+        self.loading.forget(inst.info.instance_id)
+        info = inst.info.model_copy(update={"state": state})
         await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=reason))
         log.info("instance %s stopped (%s)", inst.info.instance_id, reason)
 
     # --- generation -----------------------------------------------------------------------------------------
-    def _on_outputs(self, batch: list[tuple[str, TokenOutput | None, str | None]]) -> None:
+    def _on_outputs(self, batch: list[tuple[str, str, TokenOutput | None, str | None]]) -> None:
         """Called on the event loop with a step's outputs; publishes them in order."""
         asyncio.ensure_future(self._publish_outputs(batch))
 
-    async def _publish_outputs(self, batch: list[tuple[str, TokenOutput | None, str | None]]) -> None:
-        for request_id, out, error in batch:
+    async def _publish_outputs(self, batch: list[tuple[str, str, TokenOutput | None, str | None]]) -> None:
+        for instance_id, request_id, out, error in batch:
             req = self.requests.get(request_id)
-            if req is None:
-                continue
+            if req is None or req.instance_id != instance_id:
+                continue  # ended, or handed over to another instance here (what the old one sent is stale)
             if error is not None:
                 ev = m.TokenEvent(request_id=request_id, index=req.next_index, finished=True,
                                   finish_reason="error", error=error)
@@ -355,7 +372,7 @@ class WorkerService(Service):
                                   finished=out.finished, finish_reason=out.finish_reason,
                                   prompt_tokens=out.prompt_tokens)
                 self._tokens_since += 1
-                TOKENS.labels(req.model).inc()
+                TOKENS.labels(req.model, req.mode).inc()
             # A request's trace shows the first and the last token's hop back to the gateway; the
             # ones between still carry its traceparent but unsampled (no spans per token).
             traced = not req.streamed or ev.finished
@@ -427,6 +444,8 @@ class WorkerService(Service):
             for job in self._disk_jobs.get(op.instance_id, []):
                 self.spawn(asyncio.to_thread(job.cancel))
             return m.CommandAck(accepted=True, detail="load cancelled")
+        if inst is None and self.pipelines.stop_hosting(op.instance_id):
+            return m.CommandAck(accepted=True, detail="stage stopped")
         if inst is None:
             return m.CommandAck(accepted=False, detail=f"instance {op.instance_id} is not on {self.config.worker_id}")
         self.spawn(self._stop_instance(inst, "unloaded by planner", op.drain_timeout_s, op.host_keep_alive_s))
@@ -458,8 +477,10 @@ class WorkerService(Service):
                 "layercast.prompt_tokens": len(req.prompt_ids)})
             if req.generated_ids:
                 span.set_attribute("layercast.resumed_tokens", len(req.generated_ids))
-            self.requests[req.request_id] = _Request(req.instance_id, req.model, req.reply_subject, span,
-                                                     next_index=len(req.generated_ids))
+            if (old := self.requests.get(req.request_id)) is not None:
+                old.span.end()  # handed over from another instance here: that run is over
+            self.requests[req.request_id] = _Request(req.instance_id, req.model, inst.info.mode, req.reply_subject,
+                                                     span, next_index=len(req.generated_ids))
             self.runtime.submit(req.instance_id, req.request_id, req.prompt_ids, params, req.generated_ids)
             return m.GenerateAccepted(request_id=req.request_id, queued=self.runtime.running(req.instance_id))
 
@@ -478,9 +499,14 @@ class WorkerService(Service):
         @b.subscriber(subjects.worker_cancel(wid))
         @on_event(m.CancelRequest)
         async def cancel(ev: m.CancelRequest) -> None:
+            req = self.requests.get(ev.request_id)
+            if ev.instance_id is not None and req is not None and req.instance_id != ev.instance_id:
+                # A hand-over within this worker: the request runs on another instance now.
+                self.runtime.cancel(ev.instance_id, ev.request_id)
+                return
             req = self.requests.pop(ev.request_id, None)
             if req is not None:
-                self.runtime.cancel(ev.request_id)
+                self.runtime.cancel(req.instance_id, ev.request_id)
                 req.span.set_attribute("layercast.cancelled", True)
                 req.span.end()
 

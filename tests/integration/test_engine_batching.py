@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ import torch
 from conftest_models import arch, hf_dir, reference_model  # noqa: F401  (fixtures)
 
 from libs.checkpoint import CheckpointIndex, convert_checkpoint, load_block
-from libs.engine import AdmissionError, Engine, LayerRange, LocalStage, RemoteStage, SamplingParams
+from libs.engine import AdmissionError, Engine, LayerRange, LocalStage, RemoteStage, SamplingParams, StageServer
 from libs.engine.stages import pack, unpack
 from libs.transfer.tcp.transport import TcpTransport
 
@@ -141,9 +143,10 @@ STAGE_HOST = textwrap.dedent("""
     from libs.engine import LayerRange, LocalStage, StageServer
     from libs.transfer.tcp.transport import TcpTransport
     ckpt, start, end, caller, caller_address = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    node = sys.argv[6] if len(sys.argv) > 6 else "stage-host"
     index = CheckpointIndex.load(ckpt)
     blocks = {b: load_block(ckpt, index, b) for b in range(start, end)}  # only what this worker holds
-    t = TcpTransport("stage-host")
+    t = TcpTransport(node)
     server = StageServer(t, {caller: caller_address})
     server.add("stage", LocalStage(LayerRange(index, blocks, start, end), 8, 128))
     print(t.address, flush=True)
@@ -164,21 +167,79 @@ def stop_stage_host(host: subprocess.Popen) -> None:
         host.wait()
 
 
-def test_pipeline_across_processes_over_the_data_plane(four_blocks, expected):
-    """Stage 2 runs in another process; activations go over the transport's message channel."""
+@pytest.mark.parametrize("bounds", [(0, 2, 4), (0, 1, 3, 4), (0, 1, 2, 3, 4)], ids=["2-stage", "3-stage", "4-stage"])
+def test_pipeline_across_processes_over_the_data_plane(four_blocks, expected, bounds):
+    """Every stage after the first runs in its own process; activations go over the transport's
+    message channel, and the engine keeps a micro-batch per stage in flight (2D pipelining)."""
     index = CheckpointIndex.load(four_blocks)
-    blocks = {b: load_block(four_blocks, index, b) for b in range(2)}
+    blocks = {b: load_block(four_blocks, index, b) for b in range(bounds[1])}
+    ranges = list(zip(bounds[1:], bounds[2:]))
     with TcpTransport("head") as t:
-        host = subprocess.Popen([sys.executable, "-c", STAGE_HOST, str(four_blocks), "2", "4", "head", t.address],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        hosts = [subprocess.Popen([sys.executable, "-c", STAGE_HOST, str(four_blocks), str(a), str(b), "head",
+                                   t.address, f"stage-host-{i}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                 for i, (a, b) in enumerate(ranges)]
         try:
-            address = host.stdout.readline().decode().strip()
-            stages = [LocalStage(LayerRange(index, blocks, 0, 2), 8, 128),
-                      RemoteStage(t, "stage-host", address, "stage", slots=8)]
+            addresses = [h.stdout.readline().decode().strip() for h in hosts]
+            stages = [LocalStage(LayerRange(index, blocks, 0, bounds[1]), 8, 128),
+                      *(RemoteStage(t, f"stage-host-{i}", address, "stage", slots=8)
+                        for i, address in enumerate(addresses))]
             engine = Engine(index, stages=stages, max_batch_size=8, max_seq_len=128, eos_token_ids=())
+            assert engine.micro_batches == len(bounds) - 1
             assert run_all(engine) == expected
         finally:
-            stop_stage_host(host)
+            for host in hosts:
+                stop_stage_host(host)
+
+
+class _Clocked:
+    """A stage that takes `seconds` per forward pass and counts passes running at once, everywhere."""
+
+    running = 0
+    most = 0
+    lock = threading.Lock()
+
+    def __init__(self, stage: LocalStage, seconds: float):
+        self.stage, self.seconds, self.slots = stage, seconds, stage.slots
+
+    def open(self, request_id):
+        self.stage.open(request_id)
+
+    def close(self, request_id):
+        self.stage.close(request_id)
+
+    def forward(self, request_ids, inputs, q_len, logits_to_keep=0):
+        with _Clocked.lock:
+            _Clocked.running += 1
+            _Clocked.most = max(_Clocked.most, _Clocked.running)
+        try:
+            time.sleep(self.seconds)
+            return self.stage.forward(request_ids, inputs, q_len, logits_to_keep)
+        finally:
+            with _Clocked.lock:
+                _Clocked.running -= 1
+
+
+def test_2d_pipelining_keeps_every_stage_busy_with_its_own_micro_batch(four_blocks, expected):
+    """λScale Fig. 6a: with 4 stages and 4 micro-batches, stages compute different micro-batches
+    at the same time (one stage at a time would never overlap), and tokens stay exact."""
+    index = CheckpointIndex.load(four_blocks)
+    blocks = {b: load_block(four_blocks, index, b) for b in range(4)}
+    transports = [TcpTransport(f"n{i}") for i in range(4)]
+    servers = [StageServer(transports[i], {"n0": transports[0].address}) for i in range(1, 4)]
+    try:
+        for i, server in enumerate(servers, start=1):
+            server.add("stage", _Clocked(LocalStage(LayerRange(index, blocks, i, i + 1), 8, 128), 0.02))
+        stages = [_Clocked(LocalStage(LayerRange(index, blocks, 0, 1), 8, 128), 0.02),
+                  *(RemoteStage(transports[0], f"n{i}", transports[i].address, "stage", slots=8) for i in range(1, 4))]
+        engine = Engine(index, stages=stages, max_batch_size=8, max_seq_len=128, eos_token_ids=())
+        _Clocked.most = 0
+        assert run_all(engine) == expected
+        assert _Clocked.most >= 2  # one stage at a time: never more than 1
+    finally:
+        for server in servers:
+            server.close()
+        for t in transports:
+            t.close()
 
 
 RESUME = textwrap.dedent("""

@@ -96,7 +96,7 @@ def test_a_scale_out_multicasts_from_the_host_copy_and_the_new_instances_serve(c
         [t.start() for t in threads]
         [t.join() for t in threads]
         assert errors == []
-        return all(sample(t, "layercast_worker_generated_tokens_total", model="tiny") > 0
+        return all(sample(t, "layercast_worker_generated_tokens_total", mode="local", model="tiny") > 0
                    for t in worker_metrics(cluster).values())
 
     wait_for(burst, 60, "tokens generated on every worker")

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from libs.transfer.tcp import frames as f
+from libs.checkpoint.pacing import make_pacer
 from libs.transfer.base import BlockSlot, Transport, TransferError
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,10 @@ class TcpTransport(Transport):
     def __init__(self, node_id: str, host: str = "127.0.0.1", port: int = 0, *,
                  advertise_host: str | None = None, connect_timeout_s: float = 10.0,
                  unknown_op_wait_s: float = 30.0, unsent_limit_bytes: int = DEFAULT_UNSENT_LIMIT,
-                 congestion_control: str | None = DEFAULT_CONGESTION_CONTROL):
+                 congestion_control: str | None = DEFAULT_CONGESTION_CONTROL, egress_mbit: float = 0.0):
         super().__init__(node_id)
+        # Emulation without root (tests): block data leaves at most at this rate, paced in process.
+        self._egress = make_pacer(egress_mbit)
         self.unsent_limit_bytes = unsent_limit_bytes
         self.congestion_control = congestion_control
         self._warned_congestion = False
@@ -197,6 +200,8 @@ class TcpTransport(Transport):
             filled = slot.wait_filled(offset + 1, timeout=stall_timeout_s, cancelled=cancelled)
             length = min(chunk_bytes, filled - offset)
             header = f.encode_data(f.DataHeader(op_id, slot.block_id, offset, length, slot.nbytes))
+            if self._egress is not None:
+                self._egress.pace(length)  # the bytes land when a link of that rate would have carried them
             self._send_frame(peer, address, f.ConnClass.BULK, [header, slot.view[offset:offset + length]],
                              stall_timeout_s)
             offset += length

@@ -50,6 +50,16 @@ async def test_least_loaded_instance_is_chosen():
     assert sorted(got) == ["a", "a", "b", "b"]
 
 
+async def test_an_instance_still_loading_gets_work_only_once_the_warm_ones_are_saturated():
+    routes = ModelRoutes("m", max_queue=4, slots_per_instance=2)
+    routes.add("loading", "w1", loading=True)
+    routes.add("warm", "w2")
+    got = [(await routes.acquire(1)).instance_id for _ in range(3)]
+    assert got == ["warm", "warm", "loading"]
+    routes.add("loading", "w1", loading=False)  # every block in: a route like any other
+    assert not routes.routes["loading"].loading
+
+
 async def test_a_model_added_from_several_paths_at_once_gets_one_entry(tiny_checkpoint):
     """The deploy call, the model event and the resync can add a model at the same moment:
     they share one entry, so an instance routed through the first is not lost to a second."""

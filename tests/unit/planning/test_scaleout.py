@@ -150,12 +150,19 @@ def test_a_multicast_mode_sends_from_the_host_copy_to_every_new_target(mode, alg
     assert plan.targets == ("w1", "w2") and plan.from_instances == 1 and plan.to_instances == plan.desired == 3
     assert plan.sources == ("w0",) and plan.receivers == ("w1", "w2") and plan.link_gbps == 10.0
     assert algorithm is None or plan.multicast.algorithm == algorithm
-    assert all(t.receives and not t.preheld and t.serve_while_loading for t in plan.loads)
+    # binomial serves only on complete copies; layercast's receivers serve as pipelines meanwhile.
+    early = mode not in ("binomial", "layercast")
+    assert all(t.receives and not t.preheld and t.serve_while_loading == early for t in plan.loads)
     assert all((t.block_start, t.block_end) == (0, N_BLOCKS) for t in plan.loads)
     assert plan.nodes() == ["w0", "w1", "w2"]
-    assert plan.record() == {"kind": "multicast", "mode": mode, "targets": ["w1", "w2"], "blocks": [0, N_BLOCKS],
-                             "algorithm": plan.multicast.algorithm, "k": 1, "sources": ["w0"],
-                             "receivers": ["w1", "w2"]}
+    record = plan.record()
+    assert {k: v for k, v in record.items() if k not in ("pipelines", "predicted")} == {
+        "kind": "multicast", "mode": mode, "targets": ["w1", "w2"], "blocks": [0, N_BLOCKS],
+        "algorithm": plan.multicast.algorithm, "k": 1, "sources": ["w0"], "receivers": ["w1", "w2"]}
+    # Alg. 2 over one sub-group: its receivers form one pipeline (layercast only, binomial multicasts).
+    assert plan.pipelines == ((("w1", "w2"),) if mode == "layercast" and plan.multicast.algorithm == "binomial"
+                              else ())
+    assert ("predicted" in record) == (plan.multicast.algorithm in ("binomial", "chain"))
 
 
 def test_serverlessllm_loads_every_target_on_its_own_and_stops_the_world():
@@ -306,8 +313,11 @@ def test_plans_respect_the_view(cluster):
             assert out.record()["kind"] == "multicast"
         else:
             assert not any(t.receives for t in out.loads)
-        assert all((t.preheld, t.serve_while_loading) == (spec.preheld, spec.serve_while_loading)
+        assert all((t.preheld, t.serve_while_loading) ==
+                   (spec.preheld, spec.serve_while_loading and not (t.receives and spec.pipelines))
                    for t in out.loads)
+        assert all(set(p) <= set(out.receivers) and len(p) >= 1 for p in out.pipelines)
+        assert not out.pipelines or (spec.pipelines and out.multicast.algorithm == "binomial")
     elif desired < len(live):
         assert out is None and scale_in is not None and decision == scale_in
         victims = [i.instance_id for i in scale_in.victims]
