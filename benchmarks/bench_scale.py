@@ -100,6 +100,57 @@ class _TokenCounter:
         return [c / TIMELINE_STEP_S for c in counts]
 
 
+class _Burst:
+    """`n` streaming requests sent at once (FaaScale Fig. 9): when each got its first token, and
+    from which instance (the gateway's x-layercast-instance header)."""
+
+    def __init__(self, url: str, api_key: str, model: str, n: int, max_tokens: int):
+        self.url, self.api_key, self.model, self.max_tokens = url, api_key, model, max_tokens
+        self.first: list[tuple[float, str]] = []  # (time of the first token, instance)
+        self.stamps: list[float] = []
+        self.failed = 0
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._one, daemon=True) for _ in range(n)]
+
+    def _one(self) -> None:
+        body = {"model": self.model, "prompt": f"burst {uuid.uuid4().hex[:8]}", "max_tokens": self.max_tokens,
+                "stream": True}
+        first = None
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=300,
+                              headers={"Authorization": f"Bearer {self.api_key}"}) as r:
+                if r.status_code != 200:
+                    raise httpx.HTTPStatusError(f"{r.status_code}", request=r.request, response=r)
+                instance = r.headers.get("x-layercast-instance", "")
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        now = time.time()
+                        with self._lock:
+                            self.stamps.append(now)
+                            if first is None:
+                                first = now
+                                self.first.append((now, instance))
+        except httpx.HTTPError:
+            with self._lock:
+                self.failed += 1
+
+    def start(self) -> None:
+        [t.start() for t in self._threads]
+
+    def stop(self) -> None:
+        [t.join(300) for t in self._threads]
+
+    timeline = _TokenCounter.timeline
+
+    def first_tokens(self, t0: float, warm: set[str]) -> dict:
+        """The whole burst's first-token time and the first token new capacity served (seconds from t0)."""
+        new = [t for t, inst in self.first if inst not in warm]
+        complete = len(self.first) == len(self._threads)
+        return {"burst_first_token_s": max(t for t, _ in self.first) - t0 if complete else None,
+                "new_capacity_first_token_s": min(new) - t0 if new else None,
+                "burst_served_by_new_capacity": len(new)}
+
+
 def _describe(h) -> dict | None:
     """The deployment as the admin API shows it; None while the (busy) gateway does not answer."""
     try:
@@ -129,7 +180,7 @@ def bound_s(mode: str, op: dict, model_bytes: int, block_bytes: list[int], profi
 
 def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Path, state_dir: Path,
              emulate: bool, profile, concurrency: int, max_tokens: int, timeout_s: float,
-             kv_cache_gb: float = KV_CACHE_GB) -> dict:
+             kv_cache_gb: float = KV_CACHE_GB, burst: int = 0) -> dict:
     with mode_cluster(mode, workers=workers, model_path=model_path, state_dir=state_dir, emulate=emulate,
                       profile=profile, min_instances=from_n, max_instances=workers, keep_alive_s=3600,
                       scale_down_delay_s=3600, ready_timeout_s=timeout_s, kv_cache_gb=kv_cache_gb) as h:
@@ -151,7 +202,9 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
             return loaded and full >= (workers if mode == "ideal" else 1 if mode != "static" else 0)
         h.recorder.wait_for(lambda _r: settled(), timeout_s, "the deployment to settle")
         time.sleep(1.0)
-        counter = _TokenCounter(h.gateway_url, h.api_key, h.model, concurrency, max_tokens)
+        warm = {i["instance_id"] for i in h.describe()["instances"] if i["state"] == "ready"}
+        counter = (_Burst(h.gateway_url, h.api_key, h.model, burst, max_tokens) if burst else
+                   _TokenCounter(h.gateway_url, h.api_key, h.model, concurrency, max_tokens))
         decided = asyncio.run(_decide(h.nats_url, h.namespace, h.model, to_n))
         counter.start()
 
@@ -175,7 +228,9 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
         first = t.get("first_byte") or (min(blocks) if blocks else None)
         bound = bound_s(mode, op, model_bytes, block_bytes, h.emulation.profile if h.emulation else None)
         all_ready = loaded[-1] if len(loaded) == to_n - from_n else None
+        burst_times = counter.first_tokens(decided, warm) if burst else {}
         return {"mode": mode, "plan": op["plan"], "first_byte_s": None if first is None else first - decided,
+                **burst_times,
                 "instance_ready_s": loaded, "all_ready_s": all_ready, "bound_s": bound,
                 "ratio_to_bound": all_ready / bound if all_ready and bound else None,
                 "tokens_per_s_timeline": counter.timeline(decided, end + 1.0), "failed_requests": counter.failed,
@@ -185,7 +240,8 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
                 "model_bytes": model_bytes}
 
 
-TRIAL_KEYS = ("first_byte_s", "all_ready_s", "bound_s", "ratio_to_bound", "timings_s", "error")
+BURST_KEYS = ("burst_first_token_s", "new_capacity_first_token_s")
+TRIAL_KEYS = ("first_byte_s", "all_ready_s", *BURST_KEYS, "bound_s", "ratio_to_bound", "timings_s", "error")
 
 
 def failed_trial(mode: str, error: str) -> dict:
@@ -202,7 +258,7 @@ def _median(values: list[float | None]) -> float | None:
 
 def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: int, model_path: Path, state_dir: Path,
                         emulate: bool, profile=None, repeat: int = 3, concurrency: int | None = None,
-                        max_tokens: int = 16, timeout_s: float = 600.0) -> dict:
+                        max_tokens: int = 16, timeout_s: float = 600.0, burst: int = 0) -> dict:
     """Every mode `repeat` times; per mode the median trial (by all-ready time) and the medians."""
     if not 0 < from_n < to_n <= workers:
         raise ValueError(f"need 0 < --from ({from_n}) < --to ({to_n}) <= --workers ({workers})")
@@ -214,7 +270,8 @@ def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: in
             try:
                 trials.append(run_once(mode, workers=workers, from_n=from_n, to_n=to_n, model_path=model_path,
                                        state_dir=state_dir / f"{mode}-{i}", emulate=emulate, profile=profile,
-                                       concurrency=concurrency or to_n, max_tokens=max_tokens, timeout_s=timeout_s))
+                                       concurrency=concurrency or to_n, max_tokens=max_tokens, timeout_s=timeout_s,
+                                       burst=burst))
             except (ClusterError, TimeoutError, httpx.HTTPError) as e:
                 # One broken trial must not lose the others (a full run takes a quarter of an hour).
                 _log(f"bench scale: {mode}, trial {i + 1} failed: {e!r}; logs in {state_dir / f'{mode}-{i}'}")
@@ -223,6 +280,7 @@ def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: in
         median = dict(ordered[(len(ordered) - 1) // 2])
         median |= {"first_byte_s": _median([r["first_byte_s"] for r in trials]),
                    "all_ready_s": _median([r["all_ready_s"] for r in trials]),
+                   **{k: _median([r.get(k) for r in trials]) for k in BURST_KEYS if burst},
                    "trials": [{k: r[k] for k in TRIAL_KEYS if k in r} for r in trials]}
         if median["all_ready_s"] and median["bound_s"]:
             median["ratio_to_bound"] = median["all_ready_s"] / median["bound_s"]
@@ -233,7 +291,17 @@ def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: in
         for other in ("serverlessllm", "faasnet", "binomial", "chain", "ideal"):
             if other in by and by[other]["all_ready_s"]:
                 comparison[f"{other}_over_layercast_all_ready"] = by[other]["all_ready_s"] / by["layercast"]["all_ready_s"]
+    if burst and "layercast" in by:
+        mine = by["layercast"]
+        if mine.get("new_capacity_first_token_s") and mine["all_ready_s"]:
+            comparison["layercast_new_capacity_first_token_over_all_ready"] = (
+                mine["new_capacity_first_token_s"] / mine["all_ready_s"])
+        for other in ("binomial", "serverlessllm", "faasnet", "ideal"):
+            if mine.get("burst_first_token_s") and by.get(other, {}).get("burst_first_token_s"):
+                comparison[f"layercast_over_{other}_burst_first_token"] = (
+                    mine["burst_first_token_s"] / by[other]["burst_first_token_s"])
     return {"workers": workers, "from": from_n, "to": to_n, "repeat": repeat, "kv_cache_gb": KV_CACHE_GB,
+            "burst": burst,
             "request_streams": concurrency or to_n, "max_tokens": max_tokens,
             "profile": None if profile is None else asdict(profile),
             "results": results, "comparison": comparison}

@@ -415,6 +415,10 @@ def scale(
     model: Path = typer.Option(None, "--model", help="A block checkpoint of your own instead of the demo model."),
     concurrency: int = typer.Option(0, "--concurrency", min=0, help="Request streams during the burst (0: --to)."),
     max_tokens: int = typer.Option(16, "--max-tokens", min=1),
+    burst: int = typer.Option(0, "--burst", min=0,
+                              help="FaaScale Fig. 9: N requests at once with the decision, instead of request "
+                                   "streams; reports the burst's and new capacity's first-token times."),
+    plot: Path = typer.Option(None, "--plot", help="Write the tokens/s timelines (one line per mode) as SVG."),
     emulate: bool = typer.Option(True, "--emulate/--no-emulate", help="Root: the emulated cluster profile."),
     link_mbit: float = typer.Option(None, "--link-mbit", help="With --emulate; 0: not capped."),
     disk_mbit: float = typer.Option(None, "--disk-mbit", help="With --emulate; 0: not capped."),
@@ -440,12 +444,19 @@ def scale(
         result = run_scale_benchmark(modes=parse_modes(modes), workers=workers, from_n=from_n, to_n=to_n,
                                      model_path=path, state_dir=state_dir.resolve() / "bench-scale", emulate=emulate,
                                      profile=profile, repeat=repeat, concurrency=concurrency or None,
-                                     max_tokens=max_tokens, timeout_s=timeout_s)
+                                     max_tokens=max_tokens, timeout_s=timeout_s, burst=burst)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     except (ClusterError, TimeoutError, RuntimeError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
+    if plot is not None:
+        from benchmarks.plot import timeline_svg
+
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        plot.write_text(timeline_svg({r["mode"]: r["tokens_per_s_timeline"] for r in result["results"]},
+                                     step_s=0.1, title=f"tokens/s after the scale decision ({result['from']} -> "
+                                     f"{result['to']}, burst {burst})"))
     if json_out:
         typer.echo(json.dumps(result))
         return

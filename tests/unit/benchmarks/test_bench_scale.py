@@ -34,3 +34,35 @@ def test_a_broken_trial_is_reported_and_the_others_still_count(monkeypatch, tmp_
         None, "ClusterError: the gateway did not answer the deploy", None]
     assert layercast["all_ready_s"] == pytest.approx(5.5) and layercast["first_byte_s"] == pytest.approx(0.035)
     assert layercast["ratio_to_bound"] == pytest.approx(5.5 / 4.0)
+
+
+def test_a_burst_reports_when_every_request_and_new_capacity_got_a_first_token():
+    burst = bench_scale._Burst("http://unused", "k", "m", n=3, max_tokens=4)
+    burst.first = [(10.5, "warm-1"), (12.0, "pipe-1"), (11.0, "inst-2")]
+    assert burst.first_tokens(10.0, warm={"warm-1"}) == {
+        "burst_first_token_s": 2.0, "new_capacity_first_token_s": 1.0, "burst_served_by_new_capacity": 2}
+    burst.first.pop()  # a request that never got a token: the burst has no first-token time
+    assert burst.first_tokens(10.0, warm={"warm-1"})["burst_first_token_s"] is None
+
+
+def test_burst_comparisons_are_ratios_of_the_medians(monkeypatch, tmp_path):
+    def run_once(mode: str, **_kw) -> dict:
+        t = trial(mode, {"layercast": 6.0, "binomial": 6.0}[mode], 0.1)
+        t |= {"burst_first_token_s": {"layercast": 2.0, "binomial": 4.0}[mode],
+              "new_capacity_first_token_s": {"layercast": 1.5, "binomial": 6.0}[mode]}
+        return t
+
+    monkeypatch.setattr(bench_scale, "run_once", run_once)
+    report = bench_scale.run_scale_benchmark(modes=["layercast", "binomial"], workers=4, from_n=1, to_n=4,
+                                             model_path=Path("unused"), state_dir=tmp_path, emulate=False, repeat=1,
+                                             burst=50)
+    assert report["burst"] == 50
+    assert report["comparison"]["layercast_over_binomial_burst_first_token"] == pytest.approx(0.5)
+    assert report["comparison"]["layercast_new_capacity_first_token_over_all_ready"] == pytest.approx(0.25)
+
+
+def test_the_timeline_plot_has_one_line_per_mode():
+    from benchmarks.plot import timeline_svg
+
+    svg = timeline_svg({"layercast": [0, 5, 10], "binomial": [0, 0, 10]}, step_s=0.1, title="t")
+    assert svg.count("<polyline") == 2 and "layercast" in svg and "binomial" in svg
