@@ -173,8 +173,8 @@ class ModeSpec:
     serve_while_loading: bool = True  # False: stop-the-world, ready once every block is loaded
     fixed_at_min: bool = False  # the instance count is min_instances whatever is asked
     host_keep_alive_on_scale_in: bool = False  # a stopped instance's blocks stay in the host cache a while
-    # A binomial multicast's receivers serve as execution pipelines while the blocks arrive (they
-    # then load stop-the-world: the pipelines are their early capacity, λScale §4.3-4.4).
+    # A binomial multicast's receivers serve as execution pipelines while the blocks arrive (those
+    # in a pipeline then load stop-the-world: the pipelines are their early capacity, λScale §4.3-4.4).
     pipelines: bool = False
 
 
@@ -260,11 +260,13 @@ class TargetLoad:
                            preheld=self.preheld, serve_while_loading=self.serve_while_loading)
 
 
-def target_load(mode: str, worker_id: str, block_start: int, block_end: int, receives: bool = False) -> TargetLoad:
+def target_load(mode: str, worker_id: str, block_start: int, block_end: int, receives: bool = False,
+                in_pipeline: bool = False) -> TargetLoad:
+    """`in_pipeline`: the target serves in an execution pipeline while it loads, and on its own
+    only once it holds every block."""
     spec = mode_spec(mode)
     return TargetLoad(worker_id, block_start, block_end, preheld=spec.preheld,
-                      serve_while_loading=spec.serve_while_loading and not (receives and spec.pipelines),
-                      receives=receives)
+                      serve_while_loading=spec.serve_while_loading and not in_pipeline, receives=receives)
 
 
 @dataclass(frozen=True)
@@ -355,14 +357,17 @@ def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest,
     link_gbps = min(alive[w].topology.link_gbps for w in [*sources, *receivers]) if sources and receivers else 0
     multicast = scaleout_plan(model.scaling_mode, len(sources), len(receivers), model.total_bytes,
                               len(model.blocks), link_gbps) if link_gbps else None
-    loads = tuple(target_load(model.scaling_mode, w, 0, len(model.blocks),
-                              receives=multicast is not None and w in receivers) for w in targets)
     pipelines: tuple[tuple[str, ...], ...] = ()
     prediction: dict[str, float | None] = {}
     if multicast is not None:
         prediction = predicted(multicast, len(receivers), model.total_bytes, len(model.blocks), link_gbps)
         if mode_spec(model.scaling_mode).pipelines and multicast.algorithm == "binomial":
-            pipelines = tuple(multicast_pipelines(plan_nodes(multicast, sources, receivers), multicast.k))
+            pipelines = tuple(p for p in multicast_pipelines(plan_nodes(multicast, sources, receivers), multicast.k)
+                              if len(p) >= 2)
+    in_pipeline = {w for p in pipelines for w in p}
+    loads = tuple(target_load(model.scaling_mode, w, 0, len(model.blocks),
+                              receives=multicast is not None and w in receivers, in_pipeline=w in in_pipeline)
+                  for w in targets)
     return ScalePlan(model, len(live), desired, loads, tuple(sources), tuple(receivers), multicast, link_gbps,
                      pipelines, prediction)
 

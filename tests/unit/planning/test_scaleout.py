@@ -150,8 +150,8 @@ def test_a_multicast_mode_sends_from_the_host_copy_to_every_new_target(mode, alg
     assert plan.targets == ("w1", "w2") and plan.from_instances == 1 and plan.to_instances == plan.desired == 3
     assert plan.sources == ("w0",) and plan.receivers == ("w1", "w2") and plan.link_gbps == 10.0
     assert algorithm is None or plan.multicast.algorithm == algorithm
-    # binomial serves only on complete copies; layercast's receivers serve as pipelines meanwhile.
-    early = mode not in ("binomial", "layercast")
+    # binomial serves only on complete copies; layercast's receivers in a pipeline serve there meanwhile.
+    early = mode != "binomial" and not plan.pipelines
     assert all(t.receives and not t.preheld and t.serve_while_loading == early for t in plan.loads)
     assert all((t.block_start, t.block_end) == (0, N_BLOCKS) for t in plan.loads)
     assert plan.nodes() == ["w0", "w1", "w2"]
@@ -313,10 +313,11 @@ def test_plans_respect_the_view(cluster):
             assert out.record()["kind"] == "multicast"
         else:
             assert not any(t.receives for t in out.loads)
+        in_pipeline = {w for p in out.pipelines for w in p}
         assert all((t.preheld, t.serve_while_loading) ==
-                   (spec.preheld, spec.serve_while_loading and not (t.receives and spec.pipelines))
+                   (spec.preheld, spec.serve_while_loading and t.worker_id not in in_pipeline)
                    for t in out.loads)
-        assert all(set(p) <= set(out.receivers) and len(p) >= 1 for p in out.pipelines)
+        assert all(set(p) <= set(out.receivers) and len(p) >= 2 for p in out.pipelines)
         assert not out.pipelines or (spec.pipelines and out.multicast.algorithm == "binomial")
     elif desired < len(live):
         assert out is None and scale_in is not None and decision == scale_in
