@@ -219,6 +219,8 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
         end = time.time()
         time.sleep(1.0)  # the tokens/s of the scaled-out cluster, briefly
         counter.stop()
+        if burst:  # the timeline runs until the burst's last token, however long after the scale-out
+            end = max([end, *counter.stamps])
         # Transfer reports may land after the last instance loaded: read the record again.
         d = _describe(h)
         op = next((o for o in (d["scale_ops"] if d else []) if o["scale_op_id"] == op["scale_op_id"]), op)
