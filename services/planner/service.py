@@ -294,6 +294,11 @@ class PlannerService(Service):
                         ",".join(pipeline.workers), why)
             await self._end_pipeline(watch, iid, m.InstanceState.failed, f"did not start: {why}")
             return
+        if iid not in watch.serving:
+            # Retired while its stages were being built (its workers finished loading meanwhile):
+            # the unloads may have come before the stages, so stop them again.
+            await self._unload_stages(watch, iid, pipeline)
+            return
         op.timings[f"pipeline_ready:{iid}"] = time.time()
         log.info("scale-up %s: pipeline %s serving on %s", op.scale_op_id, iid,
                  ", ".join(f"{s.worker_id}[{s.block_start},{s.block_end})" for s in pipeline.stages))
@@ -330,8 +335,11 @@ class PlannerService(Service):
         await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(
             instance=_pipeline_info(watch.model.name, iid, pipeline, state), reason=reason,
             switched_to=list(switched_to)))
+        await self._unload_stages(watch, iid, pipeline)
+
+    async def _unload_stages(self, watch: _PipelineWatch, iid: str, pipeline: FormedPipeline) -> None:
         unload = m.UnloadModel(instance_id=iid, drain_timeout_s=0.0, scale_op_id=watch.op.scale_op_id)
-        for w in pipeline.workers:
+        for w in pipeline.workers:  # the entry first: no more calls to the stages after it
             if why := await self._command(w, unload):
                 log.info("pipeline %s: stopping its stage on %s: %s", iid, w, why)
 
