@@ -151,6 +151,25 @@ class _Burst:
                 "burst_served_by_new_capacity": len(new)}
 
 
+def plot_timelines(path: Path, lines: dict[str, list[float]], step_s: float, title: str) -> None:
+    """Tokens/s after the decision, one line per mode (matplotlib, as `bench trace --plot`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for mode, values in lines.items():
+        ax.plot([i * step_s for i in range(len(values))], values, label=mode, linewidth=1.2)
+    ax.set_xlabel("seconds after the scale decision")
+    ax.set_ylabel(f"tokens / s (bins of {step_s:g} s)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _describe(h) -> dict | None:
     """The deployment as the admin API shows it; None while the (busy) gateway does not answer."""
     try:

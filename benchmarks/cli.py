@@ -418,7 +418,7 @@ def scale(
     burst: int = typer.Option(0, "--burst", min=0,
                               help="FaaScale Fig. 9: N requests at once with the decision, instead of request "
                                    "streams; reports the burst's and new capacity's first-token times."),
-    plot: Path = typer.Option(None, "--plot", help="Write the tokens/s timelines (one line per mode) as SVG."),
+    plot: Path = typer.Option(None, "--plot", help="Write a PNG: the tokens/s timelines, one line per mode."),
     emulate: bool = typer.Option(True, "--emulate/--no-emulate", help="Root: the emulated cluster profile."),
     link_mbit: float = typer.Option(None, "--link-mbit", help="With --emulate; 0: not capped."),
     disk_mbit: float = typer.Option(None, "--disk-mbit", help="With --emulate; 0: not capped."),
@@ -451,12 +451,11 @@ def scale(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
     if plot is not None:
-        from benchmarks.plot import timeline_svg
+        from benchmarks.bench_scale import TIMELINE_STEP_S, plot_timelines
 
         plot.parent.mkdir(parents=True, exist_ok=True)
-        plot.write_text(timeline_svg({r["mode"]: r["tokens_per_s_timeline"] for r in result["results"]},
-                                     step_s=0.1, title=f"tokens/s after the scale decision ({result['from']} -> "
-                                     f"{result['to']}, burst {burst})"))
+        plot_timelines(plot, {r["mode"]: r["tokens_per_s_timeline"] for r in result["results"]}, TIMELINE_STEP_S,
+                       f"tokens/s after the scale decision ({result['from']} -> {result['to']}, burst {burst})")
     if json_out:
         typer.echo(json.dumps(result))
         return
