@@ -317,6 +317,13 @@ def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: in
         if mine.get("new_capacity_first_token_s") and mine["all_ready_s"]:
             comparison["layercast_new_capacity_first_token_over_all_ready"] = (
                 mine["new_capacity_first_token_s"] / mine["all_ready_s"])
+        # The floor of that ratio under the cost model (λScale §4.2): with one source the
+        # receivers jointly hold the model only once it has sent every block, about when the
+        # first copy completes; k sources bring the first pipeline to about b/k steps.
+        pred = (mine.get("plan") or {}).get("predicted") or {}
+        first = [v for v in (pred.get("first_pipeline_s"), pred.get("first_copy_s")) if v]
+        if first and pred.get("completion_s"):
+            comparison["layercast_predicted_first_capacity_over_completion"] = min(first) / pred["completion_s"]
         for other in ("binomial", "serverlessllm", "faasnet", "ideal"):
             if mine.get("burst_first_token_s") and by.get(other, {}).get("burst_first_token_s"):
                 comparison[f"layercast_over_{other}_burst_first_token"] = (

@@ -89,6 +89,7 @@ class Instance(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     ready_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     loaded_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    max_batch: Mapped[int | None] = mapped_column(Integer, nullable=True)
     stopped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 

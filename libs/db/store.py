@@ -72,6 +72,7 @@ def _instance_info(row: Instance) -> m.InstanceInfo:
         ready_at=to_ts(row.ready_at),
         loaded_at=to_ts(row.loaded_at),
         scale_op_id=row.scale_op_id,
+        max_batch=row.max_batch,
     )
 
 
@@ -277,6 +278,8 @@ class RegistryStore:
                 row.ready_at = to_dt(info.ready_at or time.time())
             if info.loaded_at is not None and row.loaded_at is None:
                 row.loaded_at = to_dt(info.loaded_at)
+            if info.max_batch is not None:
+                row.max_batch = info.max_batch
             if info.state in (m.InstanceState.stopped, m.InstanceState.failed):
                 row.stopped_at = to_dt(time.time())
 

@@ -263,6 +263,12 @@ class Engine:
         self._close(req)
         return True
 
+    def abort_remote_stages(self, reason: str) -> None:
+        """Thread-safe: calls waiting on other workers' stages fail now (see RemoteStage.abort)."""
+        for st in self.stages:
+            if hasattr(st, "abort"):
+                st.abort(reason)
+
     def has_work(self) -> bool:
         """Something to compute: queued requests, prefills, or decodes (held requests wait)."""
         return bool(self._queue) or any(r.pending or (not r.held and r.output_ids) for r in self._active.values())
@@ -341,7 +347,7 @@ class Engine:
             return [self._forward(p.ids, p.inputs, p.q_len) for p in passes]
         last = len(self.stages) - 1
         remote = [hasattr(st, "submit") for st in self.stages]
-        timeout = max(getattr(st, "timeout_s", 60.0) for st in self.stages)
+        timeout = max((st.timeout_s for st, far in zip(self.stages, remote) if far), default=60.0)
         x = [p.inputs for p in passes]
         at = [0] * len(passes)  # the stage each pass goes through next
         waiting: dict[concurrent.futures.Future, int] = {}

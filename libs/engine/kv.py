@@ -1,8 +1,12 @@
 """The engine's KV cache: pre-allocated once, one slot per running request.
 
 A stage's cache holds, for each of its layers, keys and values of shape
-[slots, kv_heads, max_seq_len, head_dim], zero-filled at start (so padding
-never holds NaN). A fixed memory budget gives the number of slots; a request
+[slots, kv_heads, max_seq_len, head_dim], zero at start (so padding never
+holds NaN). On the CPU that memory is an anonymous mapping, which the kernel
+hands out zeroed page by page as it is first written: a cache costs its budget
+in address space at once but memory only as its slots fill, and an engine
+starts without writing gigabytes of zeros (seconds at a CPU quota, which an
+execution pipeline formed mid-scale-out cannot afford). A fixed memory budget gives the number of slots; a request
 gets a slot on admission and keeps it until it ends, so the engine never
 allocates per step and never runs out of memory mid-generation: when no slot
 is free, new requests wait (or are refused) instead.
@@ -17,7 +21,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import math
+import mmap
+
 import torch
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    # The tensor holds the mapping (frombuffer keeps a reference): unmapped when the tensor goes.
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 def _kv_heads_and_dim(config) -> tuple[int, int]:
@@ -40,8 +55,9 @@ class SlotKVCache:
         self.layer_start, self.layer_end = layer_start, layer_end
         self.slots, self.max_seq_len = slots, max_seq_len
         shape = (slots, kv_heads, max_seq_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_start, layer_end)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_start, layer_end)]
+        device = torch.device(device)
+        self.keys = [_zeros(shape, dtype, device) for _ in range(layer_start, layer_end)]
+        self.values = [_zeros(shape, dtype, device) for _ in range(layer_start, layer_end)]
         self.lengths = [0] * slots  # tokens held per slot
         self._free = list(range(slots - 1, -1, -1))
         self.device = torch.device(device)

@@ -180,14 +180,17 @@ class RemoteStage:
         self.slots = slots
         self.timeout_s = timeout_s
         self._replies = _replies_of(transport)
+        self._calls: set[str] = set()  # sent, no reply yet
 
     def _submit(self, header: dict, tensor: torch.Tensor | None = None) -> concurrent.futures.Future:
         """Send a call; the future holds its result (or raises the stage's error)."""
         call_id = f"{self.transport.node_id}:{next(self._ids)}"
         reply = self._replies.expect(call_id)
+        self._calls.add(call_id)
         result: concurrent.futures.Future = concurrent.futures.Future()
 
         def done(f: concurrent.futures.Future) -> None:
+            self._calls.discard(call_id)
             if f.exception() is not None:
                 result.set_exception(f.exception())
                 return
@@ -202,9 +205,16 @@ class RemoteStage:
             self.transport.send_message(self.peer, self.address, CALL_CHANNEL,
                                         pack({**header, "call_id": call_id, "stage": self.stage_id}, tensor))
         except BaseException:
+            self._calls.discard(call_id)
             self._replies.forget(call_id)
             raise
         return result
+
+    def abort(self, reason: str) -> None:
+        """Thread-safe: every call still waiting for its reply fails now. A peer that died
+        mid-call may never close its connection (a killed host, a cut link): whoever learns
+        it first (the planner, by heartbeats) frees the engine that waits on it."""
+        self._replies.fail(list(self._calls), ConnectionError(f"stage {self.stage_id} on {self.peer}: {reason}"))
 
     def _call(self, header: dict, tensor: torch.Tensor | None = None) -> torch.Tensor | None:
         future = self._submit(header, tensor)
@@ -248,6 +258,12 @@ class _Replies:
     def forget(self, call_id: str) -> None:
         with self._lock:
             self._waiting.pop(call_id, None)
+
+    def fail(self, call_ids: list[str], error: Exception) -> None:
+        with self._lock:
+            futures = [f for c in call_ids if (f := self._waiting.pop(c, None)) is not None]
+        for f in futures:
+            f.set_exception(error)
 
     def _on_reply(self, src: str, payload: bytes) -> None:
         try:

@@ -207,6 +207,9 @@ class InstanceInfo(Message):
     ready_at: float | None = None  # serving (with serve-while-loading: from its first block)
     loaded_at: float | None = None  # every block in engine memory
     scale_op_id: str | None = None
+    # Requests its engine runs at once (its KV slots); the gateway sends it no more, so a burst
+    # waits at the gateway for the first free slot anywhere, not in one engine's queue.
+    max_batch: int | None = Field(default=None, ge=1)
 
     @property
     def entry_worker(self) -> str:
@@ -498,6 +501,9 @@ class TokenEvent(Message):
     finish_reason: Literal["stop", "length", "cancelled", "error"] | None = None
     prompt_tokens: int = 0
     error: str | None = None
+    # The instance that sent it: after a hand-over the gateway drops whatever the instance it
+    # left still sends (a late token, or the error of the failure it already handled).
+    instance_id: str | None = None
 
 
 # --- metrics and scaling -------------------------------------------------------------------------

@@ -1,6 +1,9 @@
 """Per-model routing table and admission queue of the gateway.
 
-A request takes a slot on the least-loaded ready instance. Instances whose blocks are still
+A request takes a slot on the least-loaded ready instance: an instance has as many slots as
+its engine runs requests at once (its `max_batch`, at most `slots_per_instance`), so what no
+engine can run yet waits here and goes to whichever instance frees a slot or joins first, new
+capacity included, instead of queueing inside one busy engine. Instances whose blocks are still
 arriving (serve-while-loading) get work only when every warm instance and pipeline is
 saturated: their requests would wait for blocks. With no free slot
 it waits in a bounded FIFO queue (full: 429), for at most `queue_timeout_s`
@@ -22,6 +25,7 @@ class Route:
     worker_id: str
     in_flight: int = 0
     loading: bool = False  # serving while its blocks still arrive
+    slots: int = 1
 
 
 @dataclass
@@ -42,12 +46,13 @@ class ModelRoutes:
     def in_flight(self) -> int:
         return sum(r.in_flight for r in self.routes.values())
 
-    def add(self, instance_id: str, worker_id: str, loading: bool = False) -> None:
+    def add(self, instance_id: str, worker_id: str, loading: bool = False, max_batch: int | None = None) -> None:
+        slots = min(self.slots_per_instance, max_batch or self.slots_per_instance)
         route = self.routes.get(instance_id)
         if route is None:
-            self.routes[instance_id] = Route(instance_id, worker_id, loading=loading)
-        elif route.loading and not loading:
-            route.loading = False
+            self.routes[instance_id] = Route(instance_id, worker_id, loading=loading, slots=slots)
+        elif (route.loading and not loading) or route.slots != slots:
+            route.loading, route.slots = route.loading and loading, slots
         else:
             return
         self._wake()
@@ -56,7 +61,7 @@ class ModelRoutes:
         return self.routes.pop(instance_id, None)
 
     def _free_route(self) -> Route | None:
-        free = [r for r in self.routes.values() if r.in_flight < self.slots_per_instance]
+        free = [r for r in self.routes.values() if r.in_flight < r.slots]
         return min(free, key=lambda r: (r.loading, r.in_flight, r.instance_id)) if free else None
 
     def _wake(self) -> None:

@@ -106,6 +106,8 @@ class Generation:
                     continue
                 raise APIError(503, f"instance {self.route.instance_id} stopped responding", code="worker_timeout",
                                retry_after=1) from None
+            if ev.instance_id is not None and ev.instance_id != self.route.instance_id:
+                continue  # from the instance this request was handed over from: stale
             if ev.error is not None:
                 if await self._hand_over(ev.error):
                     continue
@@ -245,7 +247,8 @@ class GatewayService(Service):
         if entry is None:
             return
         if inst.state == m.InstanceState.ready and inst.instance_id not in self.ended:
-            entry.routes.add(inst.instance_id, inst.entry_worker, loading=inst.loaded_at is None)
+            entry.routes.add(inst.instance_id, inst.entry_worker, loading=inst.loaded_at is None,
+                             max_batch=inst.max_batch)
         elif inst.state == m.InstanceState.draining:
             entry.routes.remove(inst.instance_id)  # no new requests; those running there finish there
         elif inst.state != m.InstanceState.ready:
@@ -261,7 +264,7 @@ class GatewayService(Service):
             if gen.route is route:
                 gen.switches += switched
                 gen.queue.put_nowait(m.TokenEvent(request_id=rid, index=-1, finished=True, finish_reason="error",
-                                                  error=why))
+                                                  error=why, instance_id=instance_id))
 
     async def resync(self) -> None:
         """Rebuild the tables from the registry; events keep them fresh in between."""

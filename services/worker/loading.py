@@ -270,7 +270,8 @@ class InstanceLoading:
                       pinned: list[tuple[str, int]], reason: str) -> None:
         w = self.worker
         w.runtime.attach(cmd.instance_id, engine)
-        info = info.model_copy(update={"state": m.InstanceState.ready, "ready_at": time.time()})
+        info = info.model_copy(update={"state": m.InstanceState.ready, "ready_at": time.time(),
+                                       "max_batch": engine.max_batch_size})
         # The instance shares this load's pin list: stopping it releases what has been pinned so far.
         w.instances[cmd.instance_id] = Instance(info=info, path=cmd.path, keys=pinned)
         log.info("instance %s of %s ready (%s)", cmd.instance_id, cmd.model, reason)

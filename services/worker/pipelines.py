@@ -88,7 +88,7 @@ class PipelineStages:
         now = time.time()
         info = m.InstanceInfo(instance_id=op.instance_id, model=op.model, mode="pipeline", stages=op.stages,
                               state=m.InstanceState.ready, created_at=now, ready_at=now, loaded_at=now,
-                              scale_op_id=op.scale_op_id)
+                              scale_op_id=op.scale_op_id, max_batch=engine.max_batch_size)
         w.instances[op.instance_id] = Instance(info=info, path=op.path, keys=[])
         await publish(w.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(
             instance=info, reason=f"execution pipeline of {len(op.stages)} stages serving"))

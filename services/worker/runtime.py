@@ -88,6 +88,13 @@ class EngineRuntime:
         self._inbox.put(_Detach(instance_id, lambda: self._loop.call_soon_threadsafe(done.set)))
         await done.wait()
 
+    def abort_remote_stages(self, instance_id: str, reason: str) -> None:
+        """From the event loop: a step of this instance waiting on another worker's stage ends now
+        (with an error), so the engine thread is free for the detach and the other instances."""
+        engine = self._engines.get(instance_id)
+        if engine is not None:
+            engine.abort_remote_stages(reason)
+
     def submit(self, instance_id: str, request_id: str, prompt_ids: list[int], params: SamplingParams,
                generated_ids: list[int] = ()) -> None:
         self._inbox.put(_Add(instance_id, request_id, prompt_ids, params, list(generated_ids)))

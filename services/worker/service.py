@@ -340,6 +340,8 @@ class WorkerService(Service):
         deadline = time.monotonic() + drain_timeout_s
         while self.runtime.running(inst.info.instance_id) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if inst.info.mode == "pipeline":  # a stage may be gone (why it stops): never wait on it
+            self.runtime.abort_remote_stages(inst.info.instance_id, reason)
         await self.runtime.detach(inst.info.instance_id)
         self.instances.pop(inst.info.instance_id, None)
         released = list(inst.keys)
@@ -366,11 +368,11 @@ class WorkerService(Service):
                 continue  # ended, or handed over to another instance here (what the old one sent is stale)
             if error is not None:
                 ev = m.TokenEvent(request_id=request_id, index=req.next_index, finished=True,
-                                  finish_reason="error", error=error)
+                                  finish_reason="error", error=error, instance_id=instance_id)
             else:
                 ev = m.TokenEvent(request_id=request_id, index=req.next_index, token_id=out.token_id,
                                   finished=out.finished, finish_reason=out.finish_reason,
-                                  prompt_tokens=out.prompt_tokens)
+                                  prompt_tokens=out.prompt_tokens, instance_id=instance_id)
                 self._tokens_since += 1
                 TOKENS.labels(req.model, req.mode).inc()
             # A request's trace shows the first and the last token's hop back to the gateway; the

@@ -297,3 +297,56 @@ def test_engine_benchmark_reports_every_field(four_blocks, hf_dir):
     assert all(v > 0 for v in r["decode_tokens_per_s"].values())
     assert r["hf_generate_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0
     assert set(r["pipeline_slowdown"]) == {"2", "4"} and all(v > 0 for v in r["pipeline_slowdown"].values())
+
+
+def test_a_step_waiting_on_a_silent_stage_ends_when_aborted_not_at_its_timeout(four_blocks):
+    """A stage whose worker died without closing its connection never replies: the worker aborts
+    the entry's remote calls when it learns so (the planner's stop), and the engine thread is
+    free at once, not after the stage timeout (every instance of the worker shares that thread)."""
+    index = CheckpointIndex.load(four_blocks)
+    blocks = {b: load_block(four_blocks, index, b) for b in range(4)}
+    silent = threading.Event()
+
+    class _Silent:  # a stage host that takes the call and never answers
+        def __init__(self, stage):
+            self.stage, self.slots = stage, stage.slots
+
+        def open(self, request_id):
+            return self.stage.open(request_id)
+
+        def close(self, request_id):
+            return self.stage.close(request_id)
+
+        def forward(self, request_ids, inputs, q_len, logits_to_keep=0):
+            silent.wait(30)
+            return self.stage.forward(request_ids, inputs, q_len, logits_to_keep)
+
+    with TcpTransport("entry") as t, TcpTransport("host") as h:
+        server = StageServer(h, {"entry": t.address})
+        try:
+            server.add("stage", _Silent(LocalStage(LayerRange(index, blocks, 2, 4), 8, 128)))
+            remote = RemoteStage(t, "host", h.address, "stage", slots=8, timeout_s=30)
+            engine = Engine(index, stages=[LocalStage(LayerRange(index, blocks, 0, 2), 8, 128), remote],
+                            max_batch_size=8, max_seq_len=128, eos_token_ids=())
+            for i, p in enumerate(PROMPTS[:2]):
+                engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=4))
+            failed: list[BaseException] = []
+
+            def step():
+                try:
+                    engine.step()
+                except BaseException as e:  # noqa: BLE001 - the test looks at it
+                    failed.append(e)
+
+            stepping = threading.Thread(target=step)
+            stepping.start()
+            time.sleep(0.5)
+            assert stepping.is_alive()  # waiting on the silent stage
+            started = time.monotonic()
+            engine.abort_remote_stages("its worker is gone")
+            stepping.join(5)
+            assert not stepping.is_alive() and time.monotonic() - started < 2.0
+            assert failed and "its worker is gone" in str(failed[0])
+        finally:
+            silent.set()
+            server.close()

@@ -1,46 +1,26 @@
-"""Serving while the model is still arriving (λScale §4.3-4.4), as processes, without root.
+"""Serving while the model is still arriving (λScale §4.3-4.4), as processes, without root:
+each worker paces its data-plane sends in process (LAYERCAST_EMULATED_LINK_MBIT). The
+scenarios are in tests/pipeline_scenarios.py; tests/emulated runs them over capped links."""
 
-Two warm instances give two full host copies, so a scale-out to four multicasts k-way
-(k = 2) to two new workers, each link paced in process. The two receivers jointly hold
-the model after about half the blocks: the planner starts them as an execution pipeline
-(stages over the data plane) that serves requests long before either holds the whole
-model; once both do, the pipeline retires and its requests move to the new local
-instances (KV recompute) without losing or repeating a token."""
-
-import json
-import os
-import signal
-import threading
-import time
-
-import httpx
 import pytest
 
-from conftest import request_scale, running_cluster, wait_for
+import pipeline_scenarios as scenario
+from conftest import running_cluster
 from libs.protocol import subjects
 
 pytestmark = pytest.mark.slow
 
-API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
-PROMPT = "the pipeline keeps serving while"
-MAX_TOKENS = 48
-
 
 @pytest.fixture(scope="module")
 def four_blocks(tmp_path_factory):
-    from libs.checkpoint import convert_checkpoint, create_demo_checkpoint
-
-    root = tmp_path_factory.mktemp("four-blocks")
-    hf = create_demo_checkpoint(root / "hf", preset="tiny", arch="llama", seed=0)
-    return convert_checkpoint(hf, root / "blocks", 4) and root / "blocks"
+    return scenario.four_blocks(tmp_path_factory)
 
 
 def _cluster(tmp_path_factory, nats_url, postgres_server_url, checkpoint, link_mbit: str):
     return running_cluster(
-        postgres_server_url, checkpoint,
-        dict(min_instances=2, max_instances=4, keep_alive_s=600, scaling_mode="layercast"),
-        state_dir=tmp_path_factory.mktemp("cluster"), api_key=API_KEY, admin_key=ADMIN_KEY, workers=4,
-        nats_url=nats_url, namespace=subjects.PREFIX, heartbeat_ttl_s=3.0,
+        postgres_server_url, checkpoint, scenario.DEPLOY,
+        state_dir=tmp_path_factory.mktemp("cluster"), api_key=scenario.API_KEY, admin_key=scenario.ADMIN_KEY,
+        workers=4, nats_url=nats_url, namespace=subjects.PREFIX, heartbeat_ttl_s=3.0,
         # about a second or more per block on each link: the multicast takes seconds, so its stages are visible
         extra_env={"LAYERCAST_SCALE_DOWN_DELAY": "600", "LAYERCAST_EMULATED_LINK_MBIT": link_mbit})
 
@@ -57,134 +37,9 @@ def slow_cluster(tmp_path_factory, nats_url, postgres_server_url, four_blocks):
         yield state
 
 
-def described(cluster) -> dict:
-    return httpx.get(f"{cluster.gateway_url}/admin/v1/models/tiny", timeout=10,
-                     headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
-
-
-def complete(cluster) -> str:
-    """One streamed completion; its text (the stream must end with a finish reason)."""
-    text, finish = "", None
-    with httpx.stream("POST", f"{cluster.gateway_url}/v1/completions", timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"},
-                      json={"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-                            "stream": True}) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "choices" in chunk, chunk
-                choice = chunk["choices"][0]
-                text += choice["text"]
-                finish = choice["finish_reason"] or finish
-    assert finish in ("length", "stop")
-    return text
-
-
-def tokens_by_mode(cluster, mode: str) -> float:
-    total = 0.0
-    for p in cluster.processes:
-        if p.name.startswith("worker"):
-            for line in httpx.get(p.health_url.replace("/health", "/metrics"), timeout=10).text.splitlines():
-                if line.startswith("layercast_worker_generated_tokens_total{") and f'mode="{mode}"' in line:
-                    total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-class Clients:
-    """Clients sending the same greedy completion over and over, from `n` threads."""
-
-    def __init__(self, cluster, n: int = 4):
-        self.cluster, self.texts, self.errors = cluster, [], []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop) for _ in range(n)]
-
-    def _loop(self):
-        while not self._stop.is_set():
-            try:
-                self.texts.append(complete(self.cluster))
-            except Exception as e:  # noqa: BLE001 - every failure is reported by the test
-                self.errors.append(repr(e))
-
-    def __enter__(self):
-        [t.start() for t in self._threads]
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        [t.join(90) for t in self._threads]
-
-
-def warm(cluster) -> str:
-    """Two local instances ready and loaded; the greedy text they give."""
-    wait_for(lambda: sum(i["state"] == "ready" for i in described(cluster)["instances"]) == 2, 90,
-             "two warm instances")
-    wait_for(lambda: all(i["loaded_at"] for i in described(cluster)["instances"]), 30, "both loaded")
-    return complete(cluster)
-
-
-def scale_out_done(cluster):
-    ops = [o for o in described(cluster)["scale_ops"] if o["direction"] == "up" and o["from_instances"] == 2]
-    return ops[0] if ops and ops[0]["state"] == "done" else None
-
-
 def test_a_pipeline_serves_before_any_receiver_holds_the_model_then_switches(cluster, nats_url):
-    reference = warm(cluster)
-    request_scale(nats_url, 4)
-    with Clients(cluster) as clients:
-        op = wait_for(lambda: scale_out_done(cluster), 120, "the scale-out to four")
-        time.sleep(1.0)  # requests moved by the switch finish on the local instances
-    texts, errors = clients.texts, clients.errors
-
-    assert op["plan"]["algorithm"] == "binomial" and op["plan"]["k"] == 2
-    assert op["plan"]["pipelines"] == [sorted(op["plan"]["receivers"], key=op["plan"]["receivers"].index)]
-    timings = op["timings"]
-    ready = [t for k, t in timings.items() if k.startswith("pipeline_ready:")]
-    loaded = [t for k, t in timings.items() if k.startswith("loaded:")]
-    switched = [t for k, t in timings.items() if k.startswith("switched:")]
-    assert len(ready) == 1 and len(loaded) == 2 and len(switched) == 1
-    # The pipeline served before either receiver held the whole model, and retired after both did.
-    assert ready[0] < min(loaded) <= max(loaded) <= switched[0]
-    assert tokens_by_mode(cluster, "pipeline") > 0
-    # Through the pipeline, across the switch, on the local instances: the same greedy text, nothing lost.
-    assert errors == [] and len(texts) >= 4
-    assert all(t == reference for t in texts)
-
-    instances = described(cluster)["instances"]
-    pipelines = [i for i in instances if i["mode"] == "pipeline"]
-    assert [i["state"] for i in pipelines] in ([], ["stopped"])  # retired (the view may drop stopped ones)
-    assert sum(i["state"] == "ready" and i["mode"] == "local" for i in instances) == 4
-
-
-def gateway_handovers(cluster) -> float:
-    text = httpx.get(f"{cluster.gateway_url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("layercast_gateway_handovers_total{"))
+    scenario.serves_before_any_receiver_holds_the_model_then_switches(cluster, nats_url)
 
 
 def test_a_stage_worker_killed_mid_request_loses_no_accepted_request(slow_cluster, nats_url):
-    cluster = slow_cluster
-    reference = warm(cluster)
-    request_scale(nats_url, 4)
-    with Clients(cluster) as clients:
-        pipeline = wait_for(lambda: next((i for i in described(cluster)["instances"]
-                                          if i["mode"] == "pipeline" and i["state"] == "ready"), None),
-                            60, "a pipeline serving")
-        time.sleep(0.3)  # requests are running on it
-        victim = pipeline["stages"][1]["worker_id"]
-        process = next(p for p in cluster.processes if p.name == victim)
-        os.kill(process.pid, signal.SIGKILL)
-        wait_for(lambda: next((i for i in described(cluster)["instances"]
-                               if i["instance_id"] == pipeline["instance_id"] and i["state"] == "failed"), None)
-                 or pipeline["instance_id"] not in {i["instance_id"] for i in described(cluster)["instances"]},
-                 30, "the pipeline failed")
-        time.sleep(2.0)  # its requests went on elsewhere
-    # Every accepted request finished with the whole text, nothing lost or repeated.
-    assert clients.errors == [] and len(clients.texts) >= 4
-    assert all(t == reference for t in clients.texts)
-    assert gateway_handovers(cluster) >= 1
-    # The scale-out went on without the dead worker: the other receiver serves on its own.
-    live = [i for i in described(cluster)["instances"] if i["state"] == "ready" and i["mode"] == "local"]
-    assert victim not in {i["stages"][0]["worker_id"] for i in live}
-    wait_for(lambda: sum(i["state"] == "ready" and i["mode"] == "local" and i["loaded_at"] is not None
-                         for i in described(cluster)["instances"]) >= 3, 60, "the other receiver loaded")
+    scenario.stage_worker_killed_mid_request_loses_no_accepted_request(slow_cluster, nats_url)

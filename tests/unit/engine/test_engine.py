@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -394,3 +395,24 @@ def test_warm_up_builds_a_skeleton_of_every_supported_model_type():
     warm_up(SUPPORTED_MODEL_TYPES[:1])
     with pytest.raises(KeyError):
         warm_up(("no-such-type",))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/statm")
+def test_a_cpu_kv_cache_costs_memory_only_as_its_slots_fill():
+    """An engine (or a pipeline stage formed mid-scale-out) starts without writing its whole KV
+    budget: the cache is zero, but its pages come to exist only when first written."""
+    from libs.engine.kv import SlotKVCache
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=8)
+    before = _rss_bytes()
+    cache = SlotKVCache(config, 0, 8, slots=16, max_seq_len=4096, device=torch.device("cpu"), dtype=torch.float32)
+    assert cache.nbytes == 1 << 30
+    assert _rss_bytes() - before < 64 << 20  # not the 1 GiB of the budget
+    assert all(float(t[:, :, :64].abs().sum()) == 0.0 for t in (*cache.keys, *cache.values))
+    cache.keys[0][3, :, :100] = 1.0  # a slot that fills takes memory, and keeps what was written
+    assert float(cache.keys[0].sum()) == 4 * 100 * 64

@@ -60,6 +60,20 @@ async def test_an_instance_still_loading_gets_work_only_once_the_warm_ones_are_s
     assert not routes.routes["loading"].loading
 
 
+
+async def test_an_instance_gets_no_more_requests_than_its_engine_runs_at_once():
+    """A burst beyond the warm engine's batch waits at the gateway, and goes to new capacity the
+    moment it joins, not into the warm engine's own queue."""
+    routes = ModelRoutes("m", max_queue=8, slots_per_instance=32)
+    routes.add("warm", "w1", max_batch=2)
+    waiters = [asyncio.create_task(routes.acquire(5)) for _ in range(4)]
+    await asyncio.sleep(0)
+    assert routes.routes["warm"].in_flight == 2 and routes.queued == 2
+    routes.add("new", "w2", max_batch=3)
+    assert [(await w).instance_id for w in waiters] == ["warm", "warm", "new", "new"]
+    routes.add("old", "w3")  # an instance that did not say: the gateway's own limit
+    assert routes.routes["old"].slots == 32
+
 async def test_a_model_added_from_several_paths_at_once_gets_one_entry(tiny_checkpoint):
     """The deploy call, the model event and the resync can add a model at the same moment:
     they share one entry, so an instance routed through the first is not lost to a second."""
