@@ -6,7 +6,8 @@ holds NaN). On the CPU that memory is an anonymous mapping, which the kernel
 hands out zeroed page by page as it is first written: a cache costs its budget
 in address space at once but memory only as its slots fill, and an engine
 starts without writing gigabytes of zeros (seconds at a CPU quota, which an
-execution pipeline formed mid-scale-out cannot afford). A fixed memory budget gives the number of slots; a request
+execution pipeline formed mid-scale-out cannot afford). A fixed memory
+budget gives the number of slots; a request
 gets a slot on admission and keeps it until it ends, so the engine never
 allocates per step and never runs out of memory mid-generation: when no slot
 is free, new requests wait (or are refused) instead.

@@ -180,17 +180,14 @@ class RemoteStage:
         self.slots = slots
         self.timeout_s = timeout_s
         self._replies = _replies_of(transport)
-        self._calls: set[str] = set()  # sent, no reply yet
 
     def _submit(self, header: dict, tensor: torch.Tensor | None = None) -> concurrent.futures.Future:
         """Send a call; the future holds its result (or raises the stage's error)."""
         call_id = f"{self.transport.node_id}:{next(self._ids)}"
-        reply = self._replies.expect(call_id)
-        self._calls.add(call_id)
+        reply = self._replies.expect(call_id, owner=self)
         result: concurrent.futures.Future = concurrent.futures.Future()
 
         def done(f: concurrent.futures.Future) -> None:
-            self._calls.discard(call_id)
             if f.exception() is not None:
                 result.set_exception(f.exception())
                 return
@@ -205,7 +202,6 @@ class RemoteStage:
             self.transport.send_message(self.peer, self.address, CALL_CHANNEL,
                                         pack({**header, "call_id": call_id, "stage": self.stage_id}, tensor))
         except BaseException:
-            self._calls.discard(call_id)
             self._replies.forget(call_id)
             raise
         return result
@@ -214,7 +210,7 @@ class RemoteStage:
         """Thread-safe: every call still waiting for its reply fails now. A peer that died
         mid-call may never close its connection (a killed host, a cut link): whoever learns
         it first (the planner, by heartbeats) frees the engine that waits on it."""
-        self._replies.fail(list(self._calls), ConnectionError(f"stage {self.stage_id} on {self.peer}: {reason}"))
+        self._replies.fail(self, ConnectionError(f"stage {self.stage_id} on {self.peer}: {reason}"))
 
     def _call(self, header: dict, tensor: torch.Tensor | None = None) -> torch.Tensor | None:
         future = self._submit(header, tensor)
@@ -247,21 +243,28 @@ class _Replies:
     def __init__(self, transport: Transport):
         self._lock = threading.Lock()
         self._waiting: dict[str, concurrent.futures.Future] = {}
+        self._owner: dict[str, object] = {}  # call id -> the RemoteStage that sent it
         transport.on_message(REPLY_CHANNEL, self._on_reply)
 
-    def expect(self, call_id: str) -> concurrent.futures.Future:
+    def expect(self, call_id: str, owner: object) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._waiting[call_id] = future
+            self._owner[call_id] = owner
         return future
 
     def forget(self, call_id: str) -> None:
         with self._lock:
             self._waiting.pop(call_id, None)
+            self._owner.pop(call_id, None)
 
-    def fail(self, call_ids: list[str], error: Exception) -> None:
+    def fail(self, owner: object, error: Exception) -> None:
+        """Every call of `owner` still waiting fails with `error`."""
         with self._lock:
-            futures = [f for c in call_ids if (f := self._waiting.pop(c, None)) is not None]
+            calls = [c for c, o in self._owner.items() if o is owner]
+            futures = [self._waiting.pop(c) for c in calls]
+            for c in calls:
+                del self._owner[c]
         for f in futures:
             f.set_exception(error)
 
@@ -272,7 +275,9 @@ class _Replies:
             log.warning("malformed stage reply from %s dropped: %s", src, e)
             return
         with self._lock:
-            future = self._waiting.pop(str(header.get("call_id")), None)
+            call_id = str(header.get("call_id"))
+            future = self._waiting.pop(call_id, None)
+            self._owner.pop(call_id, None)
         if future is not None:
             future.set_result((header, tensor))
 
