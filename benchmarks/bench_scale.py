@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from libs.planning.pool import plan_pool_fills
 from libs.planning.scaleout import build_plan, plan_bound_s
 from libs.protocol import messages as m
 from libs.protocol import subjects
@@ -107,24 +108,30 @@ class _Burst:
     def __init__(self, url: str, api_key: str, model: str, n: int, max_tokens: int):
         self.url, self.api_key, self.model, self.max_tokens = url, api_key, model, max_tokens
         self.first: list[tuple[float, str]] = []  # (time of the first token, instance)
+        # (response headers: the gateway chose its instance, first token, last token, tokens, instance)
+        self.requests: list[tuple[float, float, float, int, str]] = []
         self.stamps: list[float] = []
         self.failed = 0
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._one, daemon=True) for _ in range(n)]
+        # One client for the whole burst: a client per request costs an SSL context each, which
+        # took this process ~2 s of the machine's 2 cores and delayed the burst it measures.
+        self._client = httpx.Client(timeout=300, headers={"Authorization": f"Bearer {api_key}"},
+                                    limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
 
     def _one(self) -> None:
         body = {"model": self.model, "prompt": f"burst {uuid.uuid4().hex[:8]}", "max_tokens": self.max_tokens,
                 "stream": True}
-        first = None
+        routed, first, last, tokens, instance = None, None, None, 0, ""
         try:
-            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=300,
-                              headers={"Authorization": f"Bearer {self.api_key}"}) as r:
+            with self._client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     raise httpx.HTTPStatusError(f"{r.status_code}", request=r.request, response=r)
-                instance = r.headers.get("x-layercast-instance", "")
+                instance, routed = r.headers.get("x-layercast-instance", ""), time.time()
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         now = time.time()
+                        last, tokens = now, tokens + 1
                         with self._lock:
                             self.stamps.append(now)
                             if first is None:
@@ -133,12 +140,16 @@ class _Burst:
         except httpx.HTTPError:
             with self._lock:
                 self.failed += 1
+        if first is not None:
+            with self._lock:
+                self.requests.append((routed, first, last, tokens, instance))
 
     def start(self) -> None:
         [t.start() for t in self._threads]
 
     def stop(self) -> None:
         [t.join(300) for t in self._threads]
+        self._client.close()
 
     timeline = _TokenCounter.timeline
 
@@ -146,9 +157,14 @@ class _Burst:
         """The whole burst's first-token time and the first token new capacity served (seconds from t0)."""
         new = [t for t, inst in self.first if inst not in warm]
         complete = len(self.first) == len(self._threads)
+        names = {inst: f"warm{i}" if inst in warm else f"new{i}" for i, inst in enumerate(sorted(
+            {inst for *_, inst in self.requests}, key=lambda x: (x not in warm, x)))}
         return {"burst_first_token_s": max(t for t, _ in self.first) - t0 if complete else None,
                 "new_capacity_first_token_s": min(new) - t0 if new else None,
-                "burst_served_by_new_capacity": len(new)}
+                "burst_served_by_new_capacity": len(new),
+                # each request: seconds to its first and last token, tokens, and where it ran
+                "burst_requests": [(round(at - t0, 2), round(f - t0, 2), round(last - t0, 2), n, names[inst])
+                                   for at, f, last, n, inst in sorted(self.requests)]}
 
 
 def plot_timelines(path: Path, lines: dict[str, list[float]], step_s: float, title: str) -> None:
@@ -207,42 +223,44 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
         block_bytes = [b["nbytes"] for b in sorted(info["blocks"], key=lambda b: b["block_id"])]
         model_bytes = sum(block_bytes)
 
-        def settled() -> bool:  # the pool's copies are in place (ideal: on every worker)
+        def settled() -> bool:  # the first load is done and the pool has nothing left to fill
             d = _describe(h)
             if d is None:
                 return False
-            host: dict[str, set[int]] = {}
-            for r in d["replicas"]:
-                if r["tier"] == "host" and r["state"] == "ready":
-                    host.setdefault(r["worker_id"], set()).add(r["block_id"])
-            full = sum(len(b) == len(block_bytes) for b in host.values())
             ups = [o for o in d["scale_ops"] if o["direction"] == "up"]  # done: every block loaded
-            loaded = bool(ups) and all(o["state"] != "running" for o in ups)
-            return loaded and full >= (workers if mode == "ideal" else 1 if mode != "static" else 0)
+            if not ups or any(o["state"] == "running" for o in ups):
+                return False
+            try:
+                view = m.ClusterView.model_validate(h.admin("GET", "/admin/v1/cluster").raise_for_status().json())
+            except httpx.HTTPError:
+                return False
+            return not plan_pool_fills(view, only_model=h.model)
         h.recorder.wait_for(lambda _r: settled(), timeout_s, "the deployment to settle")
         time.sleep(1.0)
         warm = {i["instance_id"] for i in h.describe()["instances"] if i["state"] == "ready"}
         counter = (_Burst(h.gateway_url, h.api_key, h.model, burst, max_tokens) if burst else
                    _TokenCounter(h.gateway_url, h.api_key, h.model, concurrency, max_tokens))
         decided = asyncio.run(_decide(h.nats_url, h.namespace, h.model, to_n))
+        _log(f"bench scale: {mode}: decided at {decided:.3f} (unix time)")
         counter.start()
 
         def finished():
-            d = _describe(h)
-            ops = [o for o in d["scale_ops"] if o["direction"] == "up" and o["from_instances"] == from_n] if d else []
-            if not ops or ops[0]["state"] not in ("done", "failed", "aborted"):
+            # From the scale-op events the recorder hears, not the admin API: polling that every
+            # 50 ms during the burst took the gateway's and the registry's CPU from the burst.
+            ops = [o for o in h.recorder.scale_ops(model=h.model, direction="up") if o.from_instances == from_n]
+            if not ops or ops[-1].state not in ("done", "failed", "aborted"):
                 return None
-            ended = sum(k.startswith(("loaded:", "failed:", "stopped:", "draining:")) for k in ops[0]["timings"])
-            return ops[0] if ended >= to_n - from_n or ops[0]["state"] != "done" else None
-        op = h.recorder.wait_for(lambda _r: finished(), timeout_s, f"{mode}: the scale-out to {to_n}")
+            ended = sum(k.startswith(("loaded:", "failed:", "stopped:", "draining:")) for k in ops[-1].timings)
+            return ops[-1] if ended >= to_n - from_n or ops[-1].state != "done" else None
+        op_id = h.recorder.wait_for(lambda _r: finished(), timeout_s, f"{mode}: the scale-out to {to_n}").scale_op_id
         end = time.time()
         time.sleep(1.0)  # the tokens/s of the scaled-out cluster, briefly
         counter.stop()
         if burst:  # the timeline runs until the burst's last token, however long after the scale-out
             end = max([end, *counter.stamps])
         # Transfer reports may land after the last instance loaded: read the record again.
-        d = _describe(h)
-        op = next((o for o in (d["scale_ops"] if d else []) if o["scale_op_id"] == op["scale_op_id"]), op)
+        d = h.recorder.wait_for(lambda _r: _describe(h), 60, "the admin API")
+        op = next(o for o in d["scale_ops"] if o["scale_op_id"] == op_id)
         t = op["timings"]
         loaded = sorted(v - decided for k, v in t.items() if k.startswith("loaded:"))
         blocks = [v for k, v in t.items() if k.startswith("block:")]
@@ -262,7 +280,8 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
 
 
 BURST_KEYS = ("burst_first_token_s", "new_capacity_first_token_s")
-TRIAL_KEYS = ("first_byte_s", "all_ready_s", *BURST_KEYS, "bound_s", "ratio_to_bound", "timings_s", "error")
+TRIAL_KEYS = ("first_byte_s", "all_ready_s", *BURST_KEYS, "bound_s", "ratio_to_bound", "timings_s", "burst_requests",
+              "error")
 
 
 def failed_trial(mode: str, error: str) -> dict:

@@ -82,12 +82,12 @@ class _Request:
 
 @dataclass
 class _Pass:
-    """One forward pass of a step: a micro-batch of decodes, or one request's prefill chunk."""
+    """One forward pass of a step: a micro-batch of decodes, or prefill chunks of one length."""
 
     requests: list[_Request]
     inputs: torch.Tensor
     q_len: int
-    sample: bool  # its last position gives each request's next token
+    sample: tuple[bool, ...]  # per row: its last position gives the request's next token
 
     @property
     def ids(self) -> list[str]:
@@ -314,23 +314,36 @@ class Engine:
         decoding = [r for r in self._active.values() if not r.pending and not r.held and r.output_ids]
         for group in _split(decoding, self.micro_batches):
             ids = torch.tensor([[r.output_ids[-1]] for r in group], device=self.device)
-            passes.append(_Pass(group, ids, 1, sample=True))
-        budget = self.token_budget - len(decoding)
-        for req in [r for r in self._active.values() if r.pending]:
-            if budget <= 0:
-                break
-            n = min(len(req.pending), self.prefill_chunk, budget)
-            chunk, req.pending = req.pending[:n], req.pending[n:]
-            budget -= n
-            # A fresh prompt, once in, gives the first token at its last position. (A resumed
-            # request's last token is still to be fed: it decodes on the next step.)
-            passes.append(_Pass([req], torch.tensor([chunk], device=self.device), n,
-                                sample=not req.pending and not req.output_ids))
+            passes.append(_Pass(group, ids, 1, sample=(True,) * len(group)))
+        passes += self._prefill_passes(self.token_budget - len(decoding))
         outputs: list[TokenOutput] = []
         for p, logits in zip(passes, self._run_passes(passes)):
-            if p.sample:
-                outputs += [self._advance(r, logits[i, -1]) for i, r in enumerate(p.requests)]
+            outputs += [self._advance(r, logits[i, -1]) for i, r in enumerate(p.requests) if p.sample[i]]
         return outputs
+
+    def _prefill_passes(self, budget: int) -> list[_Pass]:
+        """Prompt chunks within `budget` tokens, batched: the requests waiting for prefill go
+        through together, a pass taking the next `n` tokens of each of its rows, `n` the
+        shortest remainder (a pass reads every weight once, so a burst of prompts costs a few
+        passes, not one per request; rows never need padding). A request gets one chunk a step
+        (as before: its chunks never overlap in a pipeline's stages); in admission order."""
+        passes: list[_Pass] = []
+        waiting = [r for r in self._active.values() if r.pending]
+        while waiting and budget > 0:
+            n = min(self.prefill_chunk, *(len(r.pending) for r in waiting))
+            rows = waiting[: max(1, budget // n)]
+            n = min(n, budget)
+            chunks = []
+            for req in rows:
+                chunk, req.pending = req.pending[:n], req.pending[n:]
+                chunks.append(chunk)
+            budget -= n * len(rows)
+            # A fresh prompt, once in, gives the first token at its last position. (A resumed
+            # request's last token is still to be fed: it decodes on the next step.)
+            passes.append(_Pass(rows, torch.tensor(chunks, device=self.device), n,
+                                sample=tuple(not r.pending and not r.output_ids for r in rows)))
+            waiting = [r for r in waiting if r.pending and r not in rows]  # one chunk a request a step
+        return passes
 
     def _forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int) -> torch.Tensor:
         x = inputs

@@ -132,10 +132,14 @@ class BatchView:
             keys[s, :, start:start + self.q_len] = key[0]
             values[s, :, start:start + self.q_len] = value[0]
             return keys[s:s + 1, :, : self.kv_len], values[s:s + 1, :, : self.kv_len]
-        if self.q_len != 1:
-            raise ValueError("batched forward passes decode one token per row")
-        keys[self._index, :, self._starts] = key[:, :, 0]
-        values[self._index, :, self._starts] = value[:, :, 0]
+        if self.q_len == 1:
+            keys[self._index, :, self._starts] = key[:, :, 0]
+            values[self._index, :, self._starts] = value[:, :, 0]
+        else:  # several rows of q_len tokens each (a batched prefill): row r's at starts[r]..
+            positions = self._starts.unsqueeze(1) + torch.arange(self.q_len, device=self.cache.device)
+            rows = self._index.unsqueeze(1).expand_as(positions)
+            keys[rows, :, positions] = key.transpose(1, 2)  # [B, q, heads, dim]
+            values[rows, :, positions] = value.transpose(1, 2)
         return keys[self._index, :, : self.kv_len], values[self._index, :, : self.kv_len]
 
     def commit(self) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from libs.planning.placement import Held, full_copies
-from libs.planning.scaleout import alive_workers, held_blocks, mode_spec
+from libs.planning.scaleout import alive_workers, held_blocks, live_instances, mode_spec
 from libs.protocol import messages as m
 
 
@@ -36,20 +36,28 @@ def host_holdings(held: Iterable[Held], workers: Iterable[str]) -> dict[str, set
 
 
 def pool_repair(block_bytes: Mapping[int, int], held: Iterable[Held],
-                free_host_bytes: Mapping[str, int]) -> list[PoolFill]:
-    """What restores a complete host copy of one model, or [] if one worker already holds it.
+                free_host_bytes: Mapping[str, int], serving: Collection[str] = ()) -> list[PoolFill]:
+    """What gives one model a complete host copy off its serving workers, or [] if it has one.
 
-    `free_host_bytes` names the alive workers and the host memory each can still give. The
-    copy goes to one worker when one can hold it (a multicast needs a whole copy at its
-    source): the one already holding most of the model, then the one with most room, then by
-    id. Its missing blocks come from surviving holders where there are any (re-replication
-    over the network, faster than a disk), else from its disk. When no single worker has
-    room, the blocks held nowhere are spread over the workers with most room.
+    `free_host_bytes` names the alive workers and the host memory each can still give;
+    `serving` the workers running an instance of the model. A serving worker's copy is a
+    multicast source anyway, so the pool's copy belongs elsewhere: then a scale-out has one
+    more source (λScale's k-way multicast, k = 2 from a single instance) and the copy does
+    not go with a scaled-in instance's memory. A copy on a serving worker is kept only when
+    no other worker has room.
+
+    The copy goes to one worker when one can hold it (a multicast needs a whole copy at its
+    source): a worker not serving the model, then the one already holding most of the model,
+    then the one with most room, then by id. Its missing blocks come from surviving holders
+    where there are any (re-replication over the network, faster than a disk), else from its
+    disk. When no single worker has room, the blocks held nowhere are spread over the workers
+    with most room.
     """
     workers = sorted(free_host_bytes)
     have = host_holdings(held, workers)
     wanted = set(block_bytes)
-    if not wanted or any(wanted <= have.get(w, set()) for w in workers):
+    holders = [w for w in workers if wanted <= have.get(w, set())]
+    if not wanted or any(w not in serving for w in holders):
         return []
 
     def bytes_of(blocks: Iterable[int]) -> int:
@@ -57,8 +65,12 @@ def pool_repair(block_bytes: Mapping[int, int], held: Iterable[Held],
 
     holder = {b: w for w in workers for b in sorted(have.get(w, ())) if b in wanted}
     fits = [w for w in workers if bytes_of(wanted - have.get(w, set())) <= free_host_bytes[w]]
+    if holders:  # every copy is on a serving worker: move one off only to a worker that is not
+        fits = [w for w in fits if w not in serving]
+        if not fits:
+            return []
     if fits:
-        w = min(fits, key=lambda w: (-bytes_of(wanted & have.get(w, set())), -free_host_bytes[w], w))
+        w = min(fits, key=lambda w: (w in serving, -bytes_of(wanted & have.get(w, set())), -free_host_bytes[w], w))
         missing = sorted(wanted - have.get(w, set()))
         from_peers = {b: holder[b] for b in missing if b in holder}
         return [PoolFill(w, tuple(sorted(wanted)), from_peers, tuple(b for b in missing if b not in holder))]
@@ -86,8 +98,8 @@ def free_host_bytes(view: m.ClusterView) -> dict[str, int]:
 
 def plan_pool_fills(view: m.ClusterView, open_models: Collection[str] = (),
                     only_model: str | None = None) -> list[tuple[m.ModelInfo, PoolFill]]:
-    """The fills that keep every model's complete host copy (or, for a mode that wants it, a copy
-    on every alive worker), model by model in the view's order. Modes without a pool are left
+    """The fills that keep every model's complete host copy, off the workers serving it where
+    there is room (or, for a mode that wants it, a copy on every alive worker), model by model in the view's order. Modes without a pool are left
     out, and so are `open_models`: their scale-outs' loads are bringing copies into host tiers."""
     alive = alive_workers(view)
     free: dict[str, int] | None = None  # computed once, when a model needs it
@@ -103,6 +115,7 @@ def plan_pool_fills(view: m.ClusterView, open_models: Collection[str] = (),
             fills = [PoolFill(w, tuple(block_bytes), {}, tuple(block_bytes)) for w in alive if w not in have]
         else:
             free = free_host_bytes(view) if free is None else free
-            fills = pool_repair(block_bytes, held, free)
+            serving = {s.worker_id for i in live_instances(view, model.name) for s in i.stages}
+            fills = pool_repair(block_bytes, held, free, serving)
         out += [(model, fill) for fill in fills]
     return out

@@ -277,7 +277,7 @@ class ScalePlan:
     from_instances: int
     desired: int
     loads: tuple[TargetLoad, ...]
-    sources: tuple[str, ...] = ()  # full host copies not among the targets, least loaded first
+    sources: tuple[str, ...] = ()  # full host copies (targets that hold one too), least loaded first
     receivers: tuple[str, ...] = ()  # targets without a full copy of their own
     multicast: MulticastPlan | None = None  # from the first k sources to the receivers
     link_gbps: float = 0.0  # the slowest link among sources and receivers
@@ -349,10 +349,11 @@ def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest,
     if not targets:
         return ScalePlan(model, len(live), desired, ())
     # Workers holding a whole copy in host memory send it (the data plane sends from the host
-    # tier); a target that holds one itself loads it locally. The least loaded sources go
-    # first (they interfere least with serving, BlitzScale §5.2).
+    # tier); a target that holds one itself loads it locally, and sends too: its link is idle
+    # (the parameter pool keeps its copy off the serving workers for this: one more source).
+    # The least loaded sources go first (they interfere least with serving, BlitzScale §5.2).
     copies = full_copies(block_bytes, held, alive)
-    sources = sorted((w for w in copies if w not in targets), key=lambda w: load.get(w, 0))
+    sources = sorted(copies, key=lambda w: (load.get(w, 0), w in targets))
     receivers = [t for t in targets if t not in copies]
     link_gbps = min(alive[w].topology.link_gbps for w in [*sources, *receivers]) if sources and receivers else 0
     multicast = scaleout_plan(model.scaling_mode, len(sources), len(receivers), model.total_bytes,

@@ -58,29 +58,42 @@ def test_a_scale_out_multicasts_from_the_host_copy_and_the_new_instances_serve(c
     wait_for(lambda: sample(worker_metrics(cluster)[source], "layercast_worker_block_load_bytes_total",
                             tier="ssd") > 0, 10, "the first load")  # process names are the worker ids
 
+    # The parameter pool keeps its copy off the serving worker: a second worker gets one, from
+    # the first over the data plane (not from its disk).
+    n_blocks = len(described(cluster)["blocks"])
+
+    def pool_copy() -> str | None:
+        host: dict[str, int] = {}
+        for r in described(cluster)["replicas"]:
+            if r["tier"] == "host" and r["state"] == "ready" and r["worker_id"] != source:
+                host[r["worker_id"]] = host.get(r["worker_id"], 0) + 1
+        return next((w for w, n in host.items() if n == n_blocks), None)
+    pool = wait_for(pool_copy, 60, "the pool's copy off the serving worker")
+
     request_scale(nats_url, 3)
     workers = wait_for(lambda: w if len(w := ready_workers(cluster)) == 3 else None, 60, "three instances")
-    receivers = workers - first
+    receivers = workers - first - {pool}  # the pool's worker loads its own copy (and may send)
 
     op = next(o for o in described(cluster)["scale_ops"] if o["direction"] == "up" and o["from_instances"] == 1)
     assert op["plan"]["kind"] == "multicast" and op["plan"]["algorithm"] == "binomial"
-    assert op["plan"]["sources"] == [source] and set(op["plan"]["receivers"]) == receivers
+    assert set(op["plan"]["sources"]) <= {source, pool} and set(op["plan"]["receivers"]) == receivers
     assert {k.split(":", 1)[1] for k in op["timings"] if k.startswith("transferred:")} == receivers
     assert sum(k.startswith("ready:") for k in op["timings"]) == 2
     assert op["timings"]["planned"] <= op["timings"]["first_send"] <= op["timings"]["first_block"]
 
-    # The new workers got every byte over the data plane and loaded from their host tier, not disk.
+    # The new workers got every byte over the data plane (the pool's worker before the scale-out)
+    # and loaded from their host tier, not disk.
     metrics = worker_metrics(cluster)
     model_bytes = sum(b["nbytes"] for b in described(cluster)["blocks"])
     for w in receivers:
-        text = metrics[w]
-        assert sample(text, "layercast_worker_transfer_bytes_total", algorithm="binomial",
+        assert sample(metrics[w], "layercast_worker_transfer_bytes_total", algorithm="binomial",
                       direction="received") == model_bytes
-        assert sample(text, "layercast_worker_block_load_bytes_total", tier="host") == model_bytes
-        assert sample(text, "layercast_worker_block_load_bytes_total", tier="ssd") == 0
+    for w in receivers | {pool}:
+        assert sample(metrics[w], "layercast_worker_block_load_bytes_total", tier="host") == model_bytes
+        assert sample(metrics[w], "layercast_worker_block_load_bytes_total", tier="ssd") == 0
     sent = sum(sample(t, "layercast_worker_transfer_bytes_total", algorithm="binomial", direction="sent")
                for t in metrics.values())
-    assert sent == 2 * model_bytes  # binomial: each byte crosses the network once per receiver
+    assert sent == len(receivers) * model_bytes  # binomial: each byte crosses the network once per receiver
 
     # The gateway routes to every instance (least loaded first): concurrent requests reach all three.
     def burst():

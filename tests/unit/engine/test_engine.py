@@ -416,3 +416,36 @@ def test_a_cpu_kv_cache_costs_memory_only_as_its_slots_fill():
     assert all(float(t[:, :, :64].abs().sum()) == 0.0 for t in (*cache.keys, *cache.values))
     cache.keys[0][3, :, :100] = 1.0  # a slot that fills takes memory, and keeps what was written
     assert float(cache.keys[0].sum()) == 4 * 100 * 64
+
+
+def test_waiting_prompts_are_prefilled_together_and_decode_as_if_alone(block_dir):
+    """A burst's prompts go through in batched passes (a step's pass takes the next n tokens of
+    every waiting prompt, n the shortest remainder), and each request's tokens equal those it
+    gets running alone."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16, 17, 18], [19, 20, 21, 22, 23, 24, 25]]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    alone = {}
+    for i, p in enumerate(prompts):
+        solo = Engine.from_checkpoint(block_dir, max_batch_size=8, max_seq_len=64)
+        solo.add_request("x", p, params)
+        alone[i] = [o.token_id for o in drain(solo)["x"]]
+    together = Engine.from_checkpoint(block_dir, max_batch_size=8, max_seq_len=64)
+    calls: list[tuple[int, int]] = []
+    forward = together._forward
+
+    def counted(ids, inputs, q_len):
+        calls.append((len(ids), q_len))
+        return forward(ids, inputs, q_len)
+
+    together._forward = counted
+    for i, p in enumerate(prompts):
+        together.add_request(f"r{i}", p, params)
+    first = together.step()
+    assert calls == [(4, 4)]  # one pass: the first 4 tokens of all four rows
+    assert sorted(o.request_id for o in first) == ["r0", "r1"]  # their prompts are in
+    second = together.step()
+    assert calls[1:] == [(2, 1), (2, 2)]  # r0 and r1 decode; the next 2 of r2 and r3 in one pass
+    results = drain(together)
+    for i in range(len(prompts)):
+        assert [o.token_id for o in first + second if o.request_id == f"r{i}"] + \
+            [o.token_id for o in results[f"r{i}"]] == alone[i]

@@ -54,6 +54,30 @@ def test_nothing_to_do_once_a_worker_holds_every_block(cluster):
     assert pool_repair(block_bytes, held, free) == []
 
 
+@given(clusters(), st.sets(st.sampled_from(WORKERS)))
+def test_the_copy_is_kept_off_the_serving_workers_where_there_is_room(cluster, serving):
+    block_bytes, held, free = cluster
+    fills = pool_repair(block_bytes, held, free, serving)
+    have = host_holdings(held, free)
+    after = apply(held, fills)
+    idle = [w for w in free if w not in serving]
+    room = [w for w in idle if sum(block_bytes[b] for b in set(block_bytes) - have.get(w, set())) <= free[w]]
+    if room:  # a worker serving nothing could hold a copy: afterwards one does
+        assert set(full_copies(block_bytes, after, free)) - serving
+    if full_copies(block_bytes, held, free):  # a serving worker's copy moves only to an idle one
+        assert all(f.worker in idle for f in fills)
+
+
+def test_a_copy_only_on_the_serving_worker_is_copied_to_an_idle_one_from_it():
+    block_bytes = {0: 10, 1: 10}
+    held = [Held("w0", 0, "host"), Held("w0", 1, "host")]
+    assert pool_repair(block_bytes, held, {"w0": 100, "w1": 100}) == []  # nobody serves: it stays
+    assert pool_repair(block_bytes, held, {"w0": 100, "w1": 100}, serving={"w0"}) == [
+        PoolFill("w1", (0, 1), {0: "w0", 1: "w0"}, ())]
+    # no idle worker has room: the serving worker's copy is the pool's
+    assert pool_repair(block_bytes, held, {"w0": 100, "w1": 5}, serving={"w0"}) == []
+
+
 def test_missing_blocks_come_from_survivors_before_the_disk():
     block_bytes = {0: 10, 1: 10, 2: 10}
     held = [Held("w1", 0, "host"), Held("w1", 1, "host"), Held("w2", 2, "host"), Held("dead", 2, "host")]

@@ -193,17 +193,18 @@ def test_requests_are_clamped_to_min_and_max():
     assert decide(view, _request(0)) is None  # min_instances keeps the one
 
 
-def test_a_target_holding_a_copy_loads_it_itself_and_the_least_loaded_source_sends():
+def test_a_target_holding_a_copy_loads_it_itself_and_sends_and_the_least_loaded_source_goes_first():
     workers = [_worker("w0", link_gbps=25.0), _worker("w1", link_gbps=25.0), _worker("w2", link_gbps=5.0),
                _worker("w3", link_gbps=100.0), _worker("w4")]
     replicas = _copy("w0") + _copy("w1") + _copy("w2")
     view = _view(workers, [_model("chain")], replicas, [_instance("i0", "w0"), _instance("i1", "w1")])
     plan = plan_scale_out(view, _request(4), load={"w0": 5, "w1": 1})
     assert plan.targets == ("w2", "w3")  # w2 holds the copy: nearest first
-    assert plan.sources == ("w1", "w0") and plan.receivers == ("w3",)
+    # w2 loads its own copy and its link is idle: it sends as well (least loaded first)
+    assert plan.sources == ("w2", "w1", "w0") and plan.receivers == ("w3",)
     assert [t.receives for t in plan.loads] == [False, True]
-    assert plan.link_gbps == 25.0  # the slowest link among sources and receivers
-    assert plan.record()["sources"] == ["w1"] and plan.multicast.k == 1
+    assert plan.link_gbps == 5.0  # the slowest link among sources and receivers
+    assert plan.record()["sources"] == ["w2"] and plan.multicast.k == 1
 
 
 def test_no_copy_anywhere_means_every_target_reads_its_disk():
@@ -305,7 +306,7 @@ def test_plans_respect_the_view(cluster):
         assert len(out.targets) == len(set(out.targets)) <= min(len(free), desired - len(live))
         assert set(out.targets) <= free
         copies = set(full_copies(range(len(model.blocks)), held_blocks(view, "m"), alive))
-        assert set(out.sources) <= copies and not set(out.sources) & set(out.targets)
+        assert set(out.sources) == (copies if out.targets else set())  # a target holding a copy sends too
         assert list(out.receivers) == [t for t in out.targets if t not in copies]
         if out.multicast is not None:
             assert spec.multicast is not None and 1 <= out.multicast.k <= len(out.sources)
