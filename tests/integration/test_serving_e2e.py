@@ -291,10 +291,13 @@ def test_keep_alive_scale_down_then_warm_start_on_the_worker_holding_host_copies
     wait_for(lambda: not instances(cluster, "brief", state=None), 15, "scale to zero after keep-alive")
     assert [m["id"] for m in c.get("/v1/models").json()["data"]].count("brief") == 1  # still listed at zero
     replicas = admin(cluster).get("/admin/v1/models/brief").json()["replicas"]
-    assert {(r["worker_id"], r["tier"]) for r in replicas} == {(worker, "host")}
+    # Host copies only: the instance's worker's, and the pool's off that worker once it is made.
+    assert (worker, "host") in {(r["worker_id"], r["tier"]) for r in replicas}
+    assert {r["tier"] for r in replicas} == {"host"}
+    holders = {r["worker_id"] for r in replicas}
     assert c.post("/v1/completions", json={"model": "brief", "prompt": "x", "max_tokens": 2}).status_code == 200
     (again,) = instances(cluster, "brief")
-    assert again["stages"][0]["worker_id"] == worker  # locality: the host copy wins
+    assert again["stages"][0]["worker_id"] in holders  # locality: a host copy wins
     assert admin(cluster).delete("/admin/v1/models/brief").status_code == 200
     assert "brief" not in [m["id"] for m in c.get("/v1/models").json()["data"]]
     assert_openai_error(c.post("/v1/completions", json={"model": "brief", "prompt": "x"}), 404, "model")
