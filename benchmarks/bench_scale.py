@@ -107,8 +107,8 @@ class _Burst:
 
     def __init__(self, url: str, api_key: str, model: str, n: int, max_tokens: int):
         self.url, self.api_key, self.model, self.max_tokens = url, api_key, model, max_tokens
-        self.first: list[tuple[float, str]] = []  # (time of the first token, instance)
-        # (response headers: the gateway chose its instance, first token, last token, tokens, instance)
+        # Each request that got a token: (response headers, i.e. the gateway chose its instance,
+        # first token, last token, tokens, instance)
         self.requests: list[tuple[float, float, float, int, str]] = []
         self.stamps: list[float] = []
         self.failed = 0
@@ -132,11 +132,9 @@ class _Burst:
                     if line.startswith("data: {"):
                         now = time.time()
                         last, tokens = now, tokens + 1
+                        first = first or now
                         with self._lock:
                             self.stamps.append(now)
-                            if first is None:
-                                first = now
-                                self.first.append((now, instance))
         except httpx.HTTPError:
             with self._lock:
                 self.failed += 1
@@ -155,11 +153,11 @@ class _Burst:
 
     def first_tokens(self, t0: float, warm: set[str]) -> dict:
         """The whole burst's first-token time and the first token new capacity served (seconds from t0)."""
-        new = [t for t, inst in self.first if inst not in warm]
-        complete = len(self.first) == len(self._threads)
+        new = [f for _, f, _, _, inst in self.requests if inst not in warm]
+        complete = len(self.requests) == len(self._threads)
         names = {inst: f"warm{i}" if inst in warm else f"new{i}" for i, inst in enumerate(sorted(
             {inst for *_, inst in self.requests}, key=lambda x: (x not in warm, x)))}
-        return {"burst_first_token_s": max(t for t, _ in self.first) - t0 if complete else None,
+        return {"burst_first_token_s": max(f for _, f, *_ in self.requests) - t0 if complete else None,
                 "new_capacity_first_token_s": min(new) - t0 if new else None,
                 "burst_served_by_new_capacity": len(new),
                 # each request: seconds to its first and last token, tokens, and where it ran
@@ -224,17 +222,12 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
         model_bytes = sum(block_bytes)
 
         def settled() -> bool:  # the first load is done and the pool has nothing left to fill
-            d = _describe(h)
-            if d is None:
-                return False
-            ups = [o for o in d["scale_ops"] if o["direction"] == "up"]  # done: every block loaded
-            if not ups or any(o["state"] == "running" for o in ups):
-                return False
             try:
                 view = m.ClusterView.model_validate(h.admin("GET", "/admin/v1/cluster").raise_for_status().json())
             except httpx.HTTPError:
                 return False
-            return not plan_pool_fills(view, only_model=h.model)
+            ups = [o for o in view.scale_ops if o.model == h.model and o.direction == "up"]  # done: all loaded
+            return bool(ups) and all(o.state != "running" for o in ups) and not plan_pool_fills(view, only_model=h.model)
         h.recorder.wait_for(lambda _r: settled(), timeout_s, "the deployment to settle")
         time.sleep(1.0)
         warm = {i["instance_id"] for i in h.describe()["instances"] if i["state"] == "ready"}

@@ -99,8 +99,9 @@ def free_host_bytes(view: m.ClusterView) -> dict[str, int]:
 def plan_pool_fills(view: m.ClusterView, open_models: Collection[str] = (),
                     only_model: str | None = None) -> list[tuple[m.ModelInfo, PoolFill]]:
     """The fills that keep every model's complete host copy, off the workers serving it where
-    there is room (or, for a mode that wants it, a copy on every alive worker), model by model in the view's order. Modes without a pool are left
-    out, and so are `open_models`: their scale-outs' loads are bringing copies into host tiers."""
+    there is room (or, for a mode that wants it, a copy on every alive worker), model by model
+    in the view's order. Modes without a pool are left out, and so are `open_models`: their
+    scale-outs' loads are bringing copies into host tiers."""
     alive = alive_workers(view)
     free: dict[str, int] | None = None  # computed once, when a model needs it
     out: list[tuple[m.ModelInfo, PoolFill]] = []

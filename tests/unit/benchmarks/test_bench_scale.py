@@ -38,13 +38,12 @@ def test_a_broken_trial_is_reported_and_the_others_still_count(monkeypatch, tmp_
 
 def test_a_burst_reports_when_every_request_and_new_capacity_got_a_first_token():
     burst = bench_scale._Burst("http://unused", "k", "m", n=3, max_tokens=4)
-    burst.first = [(10.5, "warm-1"), (12.0, "pipe-1"), (11.0, "inst-2")]
     burst.requests = [(10.1, 10.5, 10.9, 4, "warm-1"), (10.2, 12.0, 12.5, 4, "pipe-1"), (10.2, 11.0, 11.5, 4, "inst-2")]
     assert burst.first_tokens(10.0, warm={"warm-1"}) == {
         "burst_first_token_s": 2.0, "new_capacity_first_token_s": 1.0, "burst_served_by_new_capacity": 2,
         # (routed, first token, last token, tokens, instance: warm ones first, then by id)
         "burst_requests": [(0.1, 0.5, 0.9, 4, "warm0"), (0.2, 1.0, 1.5, 4, "new1"), (0.2, 2.0, 2.5, 4, "new2")]}
-    burst.first.pop()  # a request that never got a token: the burst has no first-token time
+    burst.requests.pop()  # a request that never got a token: the burst has no first-token time
     assert burst.first_tokens(10.0, warm={"warm-1"})["burst_first_token_s"] is None
 
 
