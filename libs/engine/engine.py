@@ -325,7 +325,8 @@ class Engine:
         """Prompt chunks within `budget` tokens, batched: the requests waiting for prefill go
         through together, a pass taking the next `n` tokens of each of its rows, `n` the
         shortest remainder (a pass reads every weight once, so a burst of prompts costs a few
-        passes, not one per request; rows never need padding). A request gets one chunk a step
+        passes, not one per request; rows never need padding), cut into one micro-batch per
+        stage when stages run elsewhere. A request gets one chunk a step
         (as before: its chunks never overlap in a pipeline's stages); in admission order."""
         passes: list[_Pass] = []
         waiting = [r for r in self._active.values() if r.pending]
@@ -333,15 +334,18 @@ class Engine:
             n = min(self.prefill_chunk, *(len(r.pending) for r in waiting))
             rows = waiting[: max(1, budget // n)]
             n = min(n, budget)
-            chunks = []
-            for req in rows:
-                chunk, req.pending = req.pending[:n], req.pending[n:]
-                chunks.append(chunk)
             budget -= n * len(rows)
-            # A fresh prompt, once in, gives the first token at its last position. (A resumed
-            # request's last token is still to be fed: it decodes on the next step.)
-            passes.append(_Pass(rows, torch.tensor(chunks, device=self.device), n,
-                                sample=tuple(not r.pending and not r.output_ids for r in rows)))
+            # In a pipeline the rows go as one micro-batch per stage, so the stages compute at
+            # once (2D pipelining) instead of taking turns on one big pass.
+            for group in _split(rows, self.micro_batches):
+                chunks = []
+                for req in group:
+                    chunk, req.pending = req.pending[:n], req.pending[n:]
+                    chunks.append(chunk)
+                # A fresh prompt, once in, gives the first token at its last position. (A resumed
+                # request's last token is still to be fed: it decodes on the next step.)
+                passes.append(_Pass(group, torch.tensor(chunks, device=self.device), n,
+                                    sample=tuple(not r.pending and not r.output_ids for r in group)))
             waiting = [r for r in waiting if r.pending and r not in rows]  # one chunk a request a step
         return passes
 

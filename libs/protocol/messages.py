@@ -370,6 +370,10 @@ class UnloadModel(Message):
     # The blocks leave the host tier this long after the instance stops, unless in use again
     # (the `serverlessllm` mode's host-cache keep-alive); None: only the LRU bound evicts them.
     host_keep_alive_s: float | None = Field(default=None, ge=0)
+    # A pipeline's mode switch (λScale §4.4) to these local instances: the step in flight
+    # finishes and its tokens go out (work done is not thrown away), then the pipeline stops and
+    # its unfinished requests move on. Empty: a stop that waits for no stage (one may be gone).
+    switched_to: list[str] = Field(default_factory=list)
 
 
 class TransferHop(BaseModel):

@@ -146,7 +146,10 @@ class Generation:
                     if self.stops.stopped:  # the stop string was in the text held back until the end
                         finish = "stop"
                 self.finished = True
-            if text or finish is not None:
+            if ev.token_id is not None or finish is not None:
+                # A chunk per token, its text possibly empty while held back (an incomplete
+                # character, a possible stop string), as vLLM streams: a client sees the first
+                # token when it comes, not when its text becomes printable.
                 yield Piece(text, finish, self.prompt_len, self.completion_tokens)
 
     async def _hand_over(self, why: str) -> bool:
@@ -250,7 +253,12 @@ class GatewayService(Service):
             entry.routes.add(inst.instance_id, inst.entry_worker, loading=inst.loaded_at is None,
                              max_batch=inst.max_batch)
         elif inst.state == m.InstanceState.draining:
-            entry.routes.remove(inst.instance_id)  # no new requests; those running there finish there
+            route = entry.routes.remove(inst.instance_id)  # no new requests; those running there finish there
+            if route is not None and switched_to:
+                # A pipeline's mode switch: its step in flight ends, then its requests come back
+                # to be handed over (a planned move, not a failure).
+                for gen in self.streams.values():
+                    gen.switches += gen.route is route
         elif inst.state != m.InstanceState.ready:
             why = f"switched to {', '.join(switched_to)}" if switched_to else f"instance {inst.state.value}"
             self._drop_route(entry, inst.instance_id, why, switched=bool(switched_to))

@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -98,6 +99,8 @@ class PlannerService(Service):
         self._load: dict[str, int] = {}  # worker_id -> running requests (worker metrics)
         self._pool_fills: dict[tuple[str, str], float] = {}  # (model, worker) -> when a fill was sent
         self._watches: dict[str, _PipelineWatch] = {}  # scale_op_id -> its execution pipelines
+        # Pipelines in their mode switch: their entry finishes its step, then their stages stop.
+        self._retiring: dict[str, tuple[str | None, FormedPipeline]] = {}  # instance -> (scale op, pipeline)
         self.views = ClusterViewCache(self._read_cluster)
         self._subscribe()
 
@@ -297,7 +300,7 @@ class PlannerService(Service):
         if iid not in watch.serving:
             # Retired while its stages were being built (its workers finished loading meanwhile):
             # the unloads may have come before the stages, so stop them again.
-            await self._unload_stages(watch, iid, pipeline)
+            await self._unload_stages(op.scale_op_id, iid, pipeline.workers)
             return
         op.timings[f"pipeline_ready:{iid}"] = time.time()
         log.info("scale-up %s: pipeline %s serving on %s", op.scale_op_id, iid,
@@ -315,33 +318,48 @@ class PlannerService(Service):
             await self._retire_pipeline(watch, iid)
 
     async def _retire_pipeline(self, watch: _PipelineWatch, iid: str) -> None:
-        """λScale §4.4 mode switch: the gateway moves the pipeline's requests to the new local
-        instances (which rebuild their KV from the tokens so far), then its stages stop."""
-        pipeline = watch.serving.get(iid)
+        """λScale §4.4 mode switch: no new requests go to the pipeline; its entry finishes the
+        step in flight (those tokens go out, no computed work is thrown away), then stops, and
+        the gateway moves its unfinished requests to the new local instances (which rebuild
+        their KV from the tokens so far). Its later stages stop once the entry has stopped."""
+        pipeline = watch.serving.pop(iid, None)
         if pipeline is None:
             return
+        op_id = watch.op.scale_op_id
         switched_to = [watch.instance_of[w] for w in pipeline.workers if w in watch.local]
-        await self._end_pipeline(watch, iid, m.InstanceState.stopped, "switched to local instances", switched_to)
+        self._retiring[iid] = (op_id, pipeline)
+        await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(
+            instance=_pipeline_info(watch.model.name, iid, pipeline, m.InstanceState.draining),
+            reason="switching to local instances", switched_to=switched_to))
+        unload = m.UnloadModel(instance_id=iid, drain_timeout_s=0.0, scale_op_id=op_id, switched_to=switched_to)
+        if why := await self._command(pipeline.workers[0], unload):
+            log.info("pipeline %s: its entry %s did not take the switch: %s", iid, pipeline.workers[0], why)
+            await self._unload_stages(op_id, iid, pipeline.workers)
         watch.op.timings[f"switched:{iid}"] = time.time()
-        if span := self._op_spans.get(watch.op.scale_op_id):
+        if span := self._op_spans.get(op_id):
             span.add_event("pipeline_switched", {"layercast.instance": iid})
 
-    async def _end_pipeline(self, watch: _PipelineWatch, iid: str, state: m.InstanceState, reason: str,
-                            switched_to: list[str] = ()) -> None:
+    async def _end_pipeline(self, watch: _PipelineWatch, iid: str, state: m.InstanceState, reason: str) -> None:
         """Stop routing to the pipeline (the gateway hands its requests over), then stop its stages."""
         pipeline = watch.serving.pop(iid, None)
         if pipeline is None:
             return
         await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(
-            instance=_pipeline_info(watch.model.name, iid, pipeline, state), reason=reason,
-            switched_to=list(switched_to)))
-        await self._unload_stages(watch, iid, pipeline)
+            instance=_pipeline_info(watch.model.name, iid, pipeline, state), reason=reason))
+        await self._unload_stages(watch.op.scale_op_id, iid, pipeline.workers)
 
-    async def _unload_stages(self, watch: _PipelineWatch, iid: str, pipeline: FormedPipeline) -> None:
-        unload = m.UnloadModel(instance_id=iid, drain_timeout_s=0.0, scale_op_id=watch.op.scale_op_id)
-        for w in pipeline.workers:  # the entry first: no more calls to the stages after it
+    async def _unload_stages(self, op_id: str | None, iid: str, workers: Sequence[str]) -> None:
+        self._retiring.pop(iid, None)
+        unload = m.UnloadModel(instance_id=iid, drain_timeout_s=0.0, scale_op_id=op_id)
+        for w in workers:  # the entry first: no more calls to the stages after it
             if why := await self._command(w, unload):
                 log.info("pipeline %s: stopping its stage on %s: %s", iid, w, why)
+
+    async def _pipeline_stopped(self, iid: str) -> None:
+        """A pipeline's entry stopped after its mode switch: its later stages stop now."""
+        if retiring := self._retiring.get(iid):
+            op_id, pipeline = retiring
+            await self._unload_stages(op_id, iid, pipeline.workers[1:])
 
     async def _pipeline_ended(self, inst: m.InstanceInfo) -> None:
         """The entry worker reported the pipeline failed (a stage stopped answering)."""
@@ -351,6 +369,9 @@ class PlannerService(Service):
 
     async def _worker_lost(self, worker_id: str) -> None:
         """A stage worker is gone: the pipelines it was part of fail (their requests are handed over)."""
+        for iid, (_, pipeline) in list(self._retiring.items()):
+            if pipeline.workers[0] == worker_id:  # an entry gone in its switch never reports stopping
+                await self._pipeline_stopped(iid)
         for watch in list(self._watches.values()):
             for iid, pipeline in list(watch.serving.items()):
                 if worker_id in pipeline.workers:
@@ -528,8 +549,11 @@ class PlannerService(Service):
             self.views.mark_stale()
             inst = ev.instance
             if inst.mode == "pipeline":
-                if inst.state in (m.InstanceState.failed, m.InstanceState.stopped) and not ev.switched_to:
-                    await self._pipeline_ended(inst)
+                if inst.state in (m.InstanceState.failed, m.InstanceState.stopped):
+                    if inst.instance_id in self._retiring:
+                        await self._pipeline_stopped(inst.instance_id)
+                    else:
+                        await self._pipeline_ended(inst)
                 return
             op_id = self._waiting.get(inst.instance_id)
             if op_id is None or inst.state == m.InstanceState.loading:

@@ -335,12 +335,16 @@ class WorkerService(Service):
 
     async def _stop_instance(self, inst: Instance, reason: str, drain_timeout_s: float = 0.0,
                              host_keep_alive_s: float | None = None,
-                             state: m.InstanceState = m.InstanceState.stopped) -> None:
+                             state: m.InstanceState = m.InstanceState.stopped,
+                             switched_to: list[str] = ()) -> None:
         inst.draining = True
         deadline = time.monotonic() + drain_timeout_s
         while self.runtime.running(inst.info.instance_id) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if inst.info.mode == "pipeline":  # a stage may be gone (why it stops): never wait on it
+        if inst.info.mode == "pipeline" and not switched_to:
+            # A stage may be gone (why it stops): never wait on it. A mode switch lets the step
+            # in flight finish instead (the detach waits for it; a stage gone meanwhile fails it
+            # at its timeout).
             self.runtime.abort_remote_stages(inst.info.instance_id, reason)
         await self.runtime.detach(inst.info.instance_id)
         self.instances.pop(inst.info.instance_id, None)
@@ -353,7 +357,8 @@ class WorkerService(Service):
             self.spawn(self._expire_after(released, host_keep_alive_s))
         self.loading.forget(inst.info.instance_id)
         info = inst.info.model_copy(update={"state": state})
-        await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=reason))
+        await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=reason,
+                                                                            switched_to=list(switched_to)))
         log.info("instance %s stopped (%s)", inst.info.instance_id, reason)
 
     # --- generation -----------------------------------------------------------------------------------------
@@ -450,7 +455,9 @@ class WorkerService(Service):
             return m.CommandAck(accepted=True, detail="stage stopped")
         if inst is None:
             return m.CommandAck(accepted=False, detail=f"instance {op.instance_id} is not on {self.config.worker_id}")
-        self.spawn(self._stop_instance(inst, "unloaded by planner", op.drain_timeout_s, op.host_keep_alive_s))
+        reason = f"switched to {', '.join(op.switched_to)}" if op.switched_to else "unloaded by planner"
+        self.spawn(self._stop_instance(inst, reason, op.drain_timeout_s, op.host_keep_alive_s,
+                                       switched_to=op.switched_to))
         return m.CommandAck(accepted=True, detail="draining")
 
     def _subscribe(self) -> None:

@@ -242,6 +242,33 @@ def test_2d_pipelining_keeps_every_stage_busy_with_its_own_micro_batch(four_bloc
             t.close()
 
 
+def test_a_burst_of_prompts_is_prefilled_in_micro_batches_the_stages_compute_at_once(four_blocks, expected):
+    """A burst's prefill is one step: its rows go as one micro-batch per stage, so the second
+    stage works on the first micro-batch while the first stage takes the next (one pass for all
+    rows would leave one stage idle while the other computes). Prefilled tokens stay exact."""
+    index = CheckpointIndex.load(four_blocks)
+    blocks = {b: load_block(four_blocks, index, b) for b in range(4)}
+    transports = [TcpTransport(f"p{i}") for i in range(2)]
+    server = StageServer(transports[1], {"p0": transports[0].address})
+    try:
+        server.add("stage", _Clocked(LocalStage(LayerRange(index, blocks, 2, 4), 8, 128), 0.05))
+        stages = [_Clocked(LocalStage(LayerRange(index, blocks, 0, 2), 8, 128), 0.05),
+                  RemoteStage(transports[0], "p1", transports[1].address, "stage", slots=8)]
+        engine = Engine(index, stages=stages, max_batch_size=8, max_seq_len=128, eos_token_ids=())
+        prompt = PROMPTS[0]
+        for i in range(4):
+            engine.add_request(f"b{i}", prompt, greedy())
+        _Clocked.most = 0
+        first = engine.step()  # the prefill of all four, nothing decoding yet
+        assert sorted(o.request_id for o in first) == [f"b{i}" for i in range(4)]
+        assert all(o.token_id == expected[0][0] for o in first)
+        assert _Clocked.most >= 2
+    finally:
+        server.close()
+        for t in transports:
+            t.close()
+
+
 RESUME = textwrap.dedent("""
     import json, sys
     from libs.engine import Engine, SamplingParams

@@ -146,9 +146,12 @@ def test_openai_client_completion_and_streamed_chat(cluster):
     assert text == full.choices[0].message.content
     assert finishes == [full.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
-    streamed = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0,
-                                         stream=True)
+    streamed = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10,
+                                              temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+    # A chunk per generated token, even while its text is held back (a client sees the first
+    # token when it comes).
+    assert len([c for c in streamed if c.choices]) == done.usage.completion_tokens
 
 
 def test_seeds_stop_sequences_and_sampling_parameters(cluster):
