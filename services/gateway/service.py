@@ -257,8 +257,8 @@ class GatewayService(Service):
             if route is not None and switched_to:
                 # A pipeline's mode switch: its step in flight ends, then its requests come back
                 # to be handed over (a planned move, not a failure).
-                for gen in self.streams.values():
-                    gen.switches += gen.route is route
+                for _, gen in self._streams_on(route):
+                    gen.switches += 1
         elif inst.state != m.InstanceState.ready:
             why = f"switched to {', '.join(switched_to)}" if switched_to else f"instance {inst.state.value}"
             self._drop_route(entry, inst.instance_id, why, switched=bool(switched_to))
@@ -268,11 +268,14 @@ class GatewayService(Service):
         if route is None:
             return
         # Requests running there can no longer finish: move them now rather than wait for a timeout.
-        for rid, gen in list(self.streams.items()):
-            if gen.route is route:
-                gen.switches += switched
-                gen.queue.put_nowait(m.TokenEvent(request_id=rid, index=-1, finished=True, finish_reason="error",
-                                                  error=why, instance_id=instance_id))
+        for rid, gen in self._streams_on(route):
+            gen.switches += switched
+            gen.queue.put_nowait(m.TokenEvent(request_id=rid, index=-1, finished=True, finish_reason="error",
+                                              error=why, instance_id=instance_id))
+
+    def _streams_on(self, route: Route) -> list[tuple[str, Generation]]:
+        """The requests streaming from `route` now (a copy: handing over changes the table)."""
+        return [(rid, gen) for rid, gen in list(self.streams.items()) if gen.route is route]
 
     async def resync(self) -> None:
         """Rebuild the tables from the registry; events keep them fresh in between."""
