@@ -160,3 +160,81 @@ def test_a_workers_free_disk_moving_within_a_gib_is_not_a_change(monkeypatch, na
         assert worker._registration()["capacities"][m.Tier.ssd] == 7 << 30
     monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage._replace(free=(8 << 30) + 1))
     assert worker._registration()["capacities"][m.Tier.ssd] == 8 << 30
+
+
+class _SlowStage:
+    """A hosted stage whose forward pass takes `seconds` more (in-process throttle): the switch
+    below comes while the entry's step waits on it."""
+
+    def __init__(self, stage, seconds: float):
+        self.stage, self.seconds, self.slots = stage, seconds, stage.slots
+        self.calls = 0
+
+    def open(self, request_id):
+        self.stage.open(request_id)
+
+    def close(self, request_id):
+        self.stage.close(request_id)
+
+    def forward(self, request_ids, inputs, q_len, logits_to_keep=0):
+        self.calls += 1
+        time.sleep(self.seconds)
+        return self.stage.forward(request_ids, inputs, q_len, logits_to_keep)
+
+
+async def test_a_mode_switch_lets_the_pipelines_step_in_flight_deliver_its_tokens(database_url, nats_url, client,  # noqa: F811
+                                                                                  tiny_checkpoint):
+    """λScale §4.4: a pipeline that retires because its workers hold the model locally does not
+    throw away the step its stages are computing. The entry's unload with `switched_to` waits
+    for it, its token goes out, and only then are the requests handed over ("instance
+    stopped"); a failure's unload (no `switched_to`) aborts the wait instead."""
+    index = CheckpointIndex.load(tiny_checkpoint)
+    seen: list[m.InstanceEvent] = []
+    tokens: list[m.TokenEvent] = []
+    sub = await collect(client, subjects.EVENT_INSTANCE, m.InstanceEvent, seen)
+    token_sub = await collect(client, subjects.tokens("gw-switch", "r-switch"), m.TokenEvent, tokens)
+    reg = await started(database_url, nats_url)
+    workers = [WorkerService(WorkerConfig(worker_id=wid, kv_cache_bytes=8 << 20), nats_url)
+               for wid in ("w-entry", "w-stage")]
+    for w in workers:
+        await w.start()
+    try:
+        for w in workers:  # both hold the model in engine memory, as the receivers of a multicast would
+            iid = f"i-{w.config.worker_id}"
+            load = m.LoadModel(instance_id=iid, model="demo", path=str(tiny_checkpoint), block_start=0,
+                               block_end=index.n_blocks)
+            assert (await call(client, subjects.worker_command(w.config.worker_id), load, m.CommandAck)).accepted
+            await until(lambda: any(ev.instance.loaded_at for ev in of_instance(seen, iid)), 30)
+        entry, stage = workers
+        start = m.StartPipeline(instance_id="i-pipe", model="demo", path=str(tiny_checkpoint),
+                                stages=[m.Stage(worker_id="w-entry", block_start=0, block_end=1),
+                                        m.Stage(worker_id="w-stage", block_start=1, block_end=index.n_blocks)],
+                                peers={w.config.worker_id: w.transport.address for w in workers})
+        for w in (stage, entry):  # later stages first, the entry last (as the planner sends them)
+            assert (await call(client, subjects.worker_command(w.config.worker_id), start, m.CommandAck)).accepted
+        slow = _SlowStage(stage.pipelines.server.stages["i-pipe/1"], seconds=1.5)
+        stage.pipelines.server.add("i-pipe/1", slow)
+
+        request = m.GenerateRequest(request_id="r-switch", instance_id="i-pipe", model="demo", prompt_ids=[1, 2, 3],
+                                    sampling=m.SamplingSpec(temperature=0, max_tokens=8),
+                                    reply_subject=subjects.tokens("gw-switch", "r-switch"))
+        await call(client, subjects.worker_generate("w-entry"), request, m.GenerateAccepted)
+        await until(lambda: slow.calls >= 1, 10)  # the prefill's step is in the slow stage now
+        assert slow.calls == 1 and tokens == []
+        unload = m.UnloadModel(instance_id="i-pipe", drain_timeout_s=0.0, switched_to=["i-w-entry", "i-w-stage"])
+        assert (await call(client, subjects.worker_command("w-entry"), unload, m.CommandAck)).accepted
+        await until(lambda: any(ev.instance.instance_id == "i-pipe" and ev.instance.state == m.InstanceState.stopped
+                                for ev in seen), 10)
+        await asyncio.sleep(0.3)  # the last token events
+        stop = next(ev for ev in of_instance(seen, "i-pipe") if ev.instance.state == m.InstanceState.stopped)
+        assert stop.switched_to == ["i-w-entry", "i-w-stage"]
+        # The step in flight delivered its token; then the request was handed back, unfinished.
+        assert tokens[0].error is None and tokens[0].index == 0 and tokens[0].token_id is not None, tokens
+        assert tokens[-1].finished and tokens[-1].finish_reason == "error", tokens
+        assert all(ev.error is None for ev in tokens[:-1])
+    finally:
+        await sub.stop()
+        await token_sub.stop()
+        for w in workers:
+            await w.stop()
+        await reg.stop()
