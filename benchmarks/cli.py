@@ -269,6 +269,38 @@ def engine(
     Console().print_json(json.dumps(result))
 
 
+@bench_app.command("serve")
+def serve(
+    model: str = typer.Option("smollm2", "--model", help="smollm2 (the demo model), a random-weight preset "
+                                                         "(tiny, small, 100m, ...) or a block checkpoint's path."),
+    new_tokens: int = typer.Option(32, "--new-tokens", min=2, help="Tokens per stream."),
+    repeat: int = typer.Option(3, "--repeat", min=1, help="Trials; the median is reported, every trial listed."),
+    torch_threads: int = typer.Option(2, "--torch-threads", min=1, help="The worker's and the engine baseline's."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    state_dir: Path = typer.Option(Path(".layercast"), "--state-dir"),
+) -> None:
+    """Streams through the gateway (1, 4, 16 at once) against the engine's decode rate at that batch."""
+    import torch
+
+    from benchmarks.bench_serve import CONCURRENCY, run_serve_benchmark
+    from benchmarks.harness import mode_cluster
+    from libs.checkpoint.gguf import build_demo_model
+
+    state_dir = state_dir.resolve()
+    path = Path(model) if Path(model).is_dir() else build_demo_model(state_dir / "models", model, 4)
+    torch.set_num_threads(torch_threads)
+    with mode_cluster("layercast", workers=1, model_path=path, state_dir=state_dir / "bench-serve",
+                      min_instances=1, keep_alive_s=3600, torch_threads=torch_threads,
+                      slots_per_instance=max(CONCURRENCY), kv_cache_gb=2.0, settle=False) as handle:
+        result = run_serve_benchmark(handle, path, new_tokens, repeat)
+    if json_out:
+        typer.echo(json.dumps(result))
+        return
+    from rich.console import Console
+
+    Console().print_json(json.dumps(result))
+
+
 def _emulation_profile(emulate: bool, link_mbit: float | None, disk_mbit: float | None,
                        host_to_device_mbit: float | None, cpu_quota: float | None,
                        host_cache_models: int | None = None):
