@@ -4,6 +4,7 @@ completions' legacy logprobs), streamed and not, checked against the engine over
 checkpoint (for the token ids a seeded or penalized request must produce) and Hugging Face
 (for the logprob values: the log-softmax of the model's logits)."""
 
+import asyncio
 import uuid
 from pathlib import Path
 
@@ -13,7 +14,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from libs.bus.broker import call, make_broker, on_event, start_broker
 from libs.engine import Engine, SamplingParams
+from libs.protocol import messages as m
+from libs.protocol import subjects
 from conftest import running_cluster
 from conftest_models import reference_model
 
@@ -29,7 +33,8 @@ def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
     with running_cluster(
             postgres_server_url, tiny_checkpoint, dict(min_instances=1, max_instances=1, keep_alive_s=600),
             state_dir=tmp_path_factory.mktemp("cluster"), api_key=API_KEY, admin_key=ADMIN_KEY, workers=1,
-            nats_url=nats_url, namespace=f"lcs{uuid.uuid4().hex[:8]}", heartbeat_ttl_s=2.0) as state:
+            # The hand-over test talks to the worker directly: the cluster uses this process's namespace.
+            nats_url=nats_url, namespace=subjects.PREFIX, heartbeat_ttl_s=2.0) as state:
         yield state
 
 
@@ -173,3 +178,49 @@ def test_out_of_range_parameters_are_a_400_naming_them(cluster, path, body, para
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
+
+
+def test_a_handed_over_request_keeps_its_penalties_and_logprobs(cluster):
+    """The message a hand-over sends (GenerateRequest with generated_ids, the same SamplingSpec),
+    sent by the test to the serving worker: the resumed request counts the tokens it generated
+    before for its penalties, and goes on with the same tokens and logprobs as one whole run."""
+    admin = httpx.Client(base_url=cluster.gateway_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    (inst,) = [i for i in admin.get("/admin/v1/cluster").json()["instances"]
+               if i["model"] == "tiny" and i["state"] == "ready"]
+    spec = m.SamplingSpec(temperature=0, max_tokens=16, frequency_penalty=0.8, presence_penalty=0.3,
+                          repetition_penalty=1.3, logprobs=3)
+
+    async def generate(request_id: str, generated: list[int]) -> list[m.TokenEvent]:
+        broker = make_broker(cluster.nats_url)
+        events: list[m.TokenEvent] = []
+        done = asyncio.Event()
+        reply = f"{subjects.PREFIX}.test.tokens.{request_id}"
+
+        @broker.subscriber(reply)
+        @on_event(m.TokenEvent)
+        async def token(ev: m.TokenEvent) -> None:
+            events.append(ev)
+            if ev.finished:
+                done.set()
+
+        await start_broker(broker)
+        try:
+            req = m.GenerateRequest(request_id=request_id, instance_id=inst["instance_id"], model="tiny",
+                                    prompt_ids=PROMPT, reply_subject=reply, generated_ids=generated, sampling=spec)
+            await call(broker, subjects.worker_generate(inst["stages"][0]["worker_id"]), req, m.GenerateAccepted)
+            await asyncio.wait_for(done.wait(), 30)
+            return events
+        finally:
+            await broker.stop()
+
+    full = asyncio.run(generate(f"full-{uuid.uuid4().hex[:6]}", []))
+    assert not any(e.error for e in full) and len(full) == 16
+    assert all(e.logprob is not None and len(e.top_logprobs) == 3 for e in full)
+    tokens = [e.token_id for e in full]
+    for at in (3, 9):
+        resumed = asyncio.run(generate(f"moved-{uuid.uuid4().hex[:6]}", tokens[:at]))
+        assert [e.index for e in resumed] == list(range(at, 16))
+        assert tokens[:at] + [e.token_id for e in resumed] == tokens
+        assert [e.logprob for e in resumed] == pytest.approx([e.logprob for e in full[at:]], abs=1e-4)
+        assert [[t for t, _ in e.top_logprobs] for e in resumed] == [[t for t, _ in e.top_logprobs]
+                                                                    for e in full[at:]]
