@@ -2,7 +2,7 @@
 
 from .engine import AdmissionError, Engine, TokenOutput, budgeted_stage, checkpoint_eos_ids, local_stages
 from .model import SUPPORTED_MODEL_TYPES, LayerRange, hf_config, warm_up
-from .sampling import SamplingParams, make_generator, sample_token
+from .sampling import SamplingParams, apply_penalties, make_generator, sample_token, token_logprobs
 from .stages import LocalStage, RemoteStage, StageServer
 
 __all__ = [
@@ -21,5 +21,7 @@ __all__ = [
     "hf_config",
     "make_generator",
     "sample_token",
+    "apply_penalties",
+    "token_logprobs",
     "warm_up",
 ]

@@ -41,7 +41,7 @@ from libs.checkpoint import CheckpointIndex, load_block
 
 from .kv import kv_bytes_per_slot
 from .model import BlockSource, LayerRange
-from .sampling import SamplingParams, make_generator, sample_token
+from .sampling import SamplingParams, make_generator, sample_token, token_logprobs
 from .stages import LocalStage, Stage
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,10 @@ class TokenOutput:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
+    # With SamplingParams.logprobs set: the token's log-probability under the model (raw
+    # log-softmax, before penalties and temperature) and the top (token id, logprob) pairs.
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -396,7 +400,10 @@ class Engine:
         return x
 
     def _advance(self, req: _Request, logits: torch.Tensor) -> TokenOutput:
-        token = sample_token(logits, req.params, req.generator)
+        token = sample_token(logits, req.params, req.generator, req.prompt_ids, req.output_ids)
+        logprob, top = None, ()
+        if req.params.logprobs is not None:
+            logprob, top = token_logprobs(logits, token, req.params.logprobs)
         req.output_ids.append(token)
         reason: FinishReason | None = None
         if token in req.stop_ids:
@@ -406,7 +413,8 @@ class Engine:
         if reason is not None:
             del self._active[req.id]
             self._close(req)
-        return TokenOutput(req.id, token, reason is not None, reason, len(req.prompt_ids), len(req.output_ids))
+        return TokenOutput(req.id, token, reason is not None, reason, len(req.prompt_ids), len(req.output_ids),
+                           logprob, top)
 
     def _close(self, req: _Request) -> None:
         if req.started:

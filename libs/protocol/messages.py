@@ -471,6 +471,11 @@ class SamplingSpec(BaseModel):
     max_tokens: int = Field(default=16, ge=1)
     seed: int | None = None
     stop_token_ids: list[int] = []
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    # None: no logprobs; k: each token's logprob and its k most likely alternatives.
+    logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class GenerateRequest(Message):
@@ -508,6 +513,10 @@ class TokenEvent(Message):
     # The instance that sent it: after a hand-over the gateway drops whatever the instance it
     # left still sends (a late token, or the error of the failure it already handled).
     instance_id: str | None = None
+    # With SamplingSpec.logprobs: the token's logprob (the model's log-softmax) and the top
+    # (token id, logprob) pairs, most likely first.
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = []
 
 
 # --- metrics and scaling -------------------------------------------------------------------------

@@ -21,8 +21,9 @@ from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.bus.broker import RemoteError, call
 from services.gateway.errors import APIError
+from services.gateway.logprobs import CompletionLogprobs, chat_content
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, DeployRequest
-from services.gateway.service import GatewayService, Generation, ModelEntry
+from services.gateway.service import GatewayService, Generation, ModelEntry, Piece
 
 REQUESTS = Counter("layercast_gateway_requests_total", "HTTP requests", ["endpoint", "status"])
 
@@ -113,11 +114,15 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         e = service.entry(name)
         return {"id": name, "object": "model", "created": int(e.info.created_at), "owned_by": "layercast"}
 
-    def sampling(entry: ModelEntry, body, prompt_len: int, max_tokens: int | None, param: str) -> m.SamplingSpec:
+    def sampling(entry: ModelEntry, body, prompt_len: int, max_tokens: int | None, param: str,
+                 logprobs: int | None = None) -> m.SamplingSpec:
         return m.SamplingSpec(
             temperature=body.temperature, top_p=body.top_p,
             max_tokens=service.resolve_max_tokens(entry, prompt_len, max_tokens, param),
-            seed=body.seed, stop_token_ids=entry.eos_ids)
+            seed=body.seed, stop_token_ids=entry.eos_ids,
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logprobs=logprobs)
 
     @app.post("/v1/completions", dependencies=[Depends(api_key)])
     async def completions(body: CompletionRequest) -> Response:
@@ -129,26 +134,29 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
             if any(t < 0 or t >= vocab for t in body.prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
             prompt_ids = list(body.prompt)
-        spec = sampling(entry, body, len(prompt_ids), body.max_tokens, "max_tokens")
+        spec = sampling(entry, body, len(prompt_ids), body.max_tokens, "max_tokens", body.logprobs)
         gen = await service.start_generation(entry, prompt_ids, spec, body.stop)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prefix = body.prompt if (body.echo and isinstance(body.prompt, str)) else ""
+        logprobs = (CompletionLogprobs(entry.token_strings, body.logprobs, offset=len(prefix))
+                    if body.logprobs is not None else None)
 
-        def chunk(text: str, finish: str | None) -> dict:
+        def chunk(text: str, finish: str | None, pieces: list = ()) -> dict:
+            lp = logprobs.take([p.logprob for p in pieces if p.logprob]) if logprobs and pieces else None
             return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
         if body.stream:
             async def events() -> AsyncIterator[dict]:
                 if prefix:
                     yield chunk(prefix, None)
                 async for p in gen:
-                    yield chunk(p.text, p.finish_reason)
+                    yield chunk(p.text, p.finish_reason, [p])
                 if body.stream_options and body.stream_options.include_usage:
                     yield {**chunk("", None), "choices": [], "usage": _usage(gen)}
             return _sse(gen, events())
-        text, finish = await _collect(gen)
-        return JSONResponse({**chunk(prefix + text, finish), "usage": _usage(gen)})
+        text, finish, pieces = await _collect(gen)
+        return JSONResponse({**chunk(prefix + text, finish, pieces), "usage": _usage(gen)})
 
     @app.post("/v1/chat/completions", dependencies=[Depends(api_key)])
     async def chat_completions(body: ChatCompletionRequest) -> Response:
@@ -162,27 +170,33 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         prompt_ids = entry.tokenizer(rendered, add_special_tokens=False).input_ids
         requested = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        spec = sampling(entry, body, len(prompt_ids), requested, param)
+        spec = sampling(entry, body, len(prompt_ids), requested, param,
+                        (body.top_logprobs or 0) if body.logprobs else None)
         gen = await service.start_generation(entry, prompt_ids, spec, body.stop)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(delta: dict, finish: str | None) -> dict:
+        def logprobs(pieces: list) -> dict | None:
+            if not body.logprobs or not pieces:
+                return None
+            return {"content": chat_content(entry.token_strings, [p.logprob for p in pieces if p.logprob])}
+
+        def chunk(delta: dict, finish: str | None, pieces: list = ()) -> dict:
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs(pieces), "finish_reason": finish}]}
 
         if body.stream:
             async def events() -> AsyncIterator[dict]:
                 yield chunk({"role": "assistant", "content": ""}, None)
                 async for p in gen:
-                    yield chunk({"content": p.text} if p.text else {}, p.finish_reason)
+                    yield chunk({"content": p.text} if p.text else {}, p.finish_reason, [p])
                 if body.stream_options and body.stream_options.include_usage:
                     yield {**chunk({}, None), "choices": [], "usage": _usage(gen)}
             return _sse(gen, events())
-        text, finish = await _collect(gen)
+        text, finish, pieces = await _collect(gen)
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": body.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": logprobs(pieces), "finish_reason": finish}],
             "usage": _usage(gen)})
 
     # --- admin API --------------------------------------------------------------------------------------
@@ -252,15 +266,15 @@ def _usage(gen: Generation) -> dict:
             "total_tokens": gen.prompt_len + gen.completion_tokens}
 
 
-async def _collect(gen: Generation) -> tuple[str, str | None]:
-    parts, finish = [], None
+async def _collect(gen: Generation) -> tuple[str, str | None, list[Piece]]:
+    pieces, finish = [], None
     try:
         async for p in gen:
-            parts.append(p.text)
+            pieces.append(p)
             finish = p.finish_reason or finish
     finally:
         await gen.close()
-    return "".join(parts), finish
+    return "".join(p.text for p in pieces), finish, pieces
 
 
 def _sse(gen: Generation, events: AsyncIterator[dict]) -> StreamingResponse:

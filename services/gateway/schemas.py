@@ -29,6 +29,9 @@ class _SamplingBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=1.0, gt=0.0)  # vLLM's extension (HF's definition)
 
     @field_validator("stop")
     @classmethod
@@ -45,6 +48,7 @@ class CompletionRequest(_SamplingBody):
     prompt: str | list[str] | list[int]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's: the top k, 0..5
 
     @field_validator("prompt")
     @classmethod
@@ -79,6 +83,15 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return v
 
 
 class DeployRequest(_Body):

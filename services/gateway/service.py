@@ -8,6 +8,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
@@ -20,6 +21,7 @@ from libs.bus.broker import RemoteError, call, on_event, publish
 from libs.telemetry import tracer
 from services.common.runner import EndedInstances, Service
 from services.gateway.errors import APIError
+from services.gateway.logprobs import TokenLogprob, TokenStrings
 from services.gateway.routing import ModelRoutes, Route
 from services.gateway.text import IncrementalDetokenizer, StopMatcher
 
@@ -49,6 +51,11 @@ class ModelEntry:
     routes: ModelRoutes
     ttft_samples: list[float] = field(default_factory=list)
 
+    @cached_property
+    def token_strings(self) -> TokenStrings:
+        """Token ids to the strings and bytes logprobs show (made on the first request that asks)."""
+        return TokenStrings(self.tokenizer)
+
 
 @dataclass
 class GatewayConfig:
@@ -74,6 +81,7 @@ class Piece:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprob: TokenLogprob | None = None  # the token's, when the request asked for logprobs
 
 
 class Generation:
@@ -150,7 +158,10 @@ class Generation:
                 # A chunk per token, its text possibly empty while held back (an incomplete
                 # character, a possible stop string), as vLLM streams: a client sees the first
                 # token when it comes, not when its text becomes printable.
-                yield Piece(text, finish, self.prompt_len, self.completion_tokens)
+                logprob = None
+                if ev.token_id is not None and ev.logprob is not None:
+                    logprob = TokenLogprob(ev.token_id, ev.logprob, tuple(map(tuple, ev.top_logprobs)))
+                yield Piece(text, finish, self.prompt_len, self.completion_tokens, logprob)
 
     async def _hand_over(self, why: str) -> bool:
         """Its instance failed or was stopped: go on on another instance, which recomputes the

@@ -377,7 +377,8 @@ class WorkerService(Service):
             else:
                 ev = m.TokenEvent(request_id=request_id, index=req.next_index, token_id=out.token_id,
                                   finished=out.finished, finish_reason=out.finish_reason,
-                                  prompt_tokens=out.prompt_tokens, instance_id=instance_id)
+                                  prompt_tokens=out.prompt_tokens, instance_id=instance_id,
+                                  logprob=out.logprob, top_logprobs=list(out.top_logprobs))
                 self._tokens_since += 1
                 TOKENS.labels(req.model, req.mode).inc()
             # A request's trace shows the first and the last token's hop back to the gateway; the
@@ -476,9 +477,11 @@ class WorkerService(Service):
             if inst is None or inst.draining:
                 raise DomainError(f"instance {req.instance_id} is not serving on {wid}", code="unavailable")
             try:
-                params = SamplingParams(temperature=req.sampling.temperature, top_p=req.sampling.top_p,
-                                        max_tokens=req.sampling.max_tokens, seed=req.sampling.seed,
-                                        stop_token_ids=tuple(req.sampling.stop_token_ids))
+                s = req.sampling
+                params = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
+                                        seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
+                                        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                                        repetition_penalty=s.repetition_penalty, logprobs=s.logprobs)
             except ValueError as e:
                 raise DomainError(str(e)) from e
             span = _tracer.start_span("worker.generate", attributes={

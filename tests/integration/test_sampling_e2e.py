@@ -1,0 +1,226 @@
+"""OpenAI sampling parameters end to end, through the real gateway with the official `openai`
+client: penalties (presence, frequency, repetition) and logprobs (chat's logprobs/top_logprobs,
+completions' legacy logprobs), streamed and not, checked against the engine over the same
+checkpoint (for the token ids a seeded or penalized request must produce) and Hugging Face
+(for the logprob values: the log-softmax of the model's logits)."""
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from libs.bus.broker import call, make_broker, on_event, start_broker
+from libs.engine import Engine, SamplingParams
+from libs.protocol import messages as m
+from libs.protocol import subjects
+from conftest import running_cluster
+from conftest_models import reference_model
+
+pytestmark = pytest.mark.slow
+
+API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
+PROMPT = [1, 17, 200, 45, 301, 99, 7, 450, 12, 64]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
+    with running_cluster(
+            postgres_server_url, tiny_checkpoint, dict(min_instances=1, max_instances=1, keep_alive_s=600),
+            state_dir=tmp_path_factory.mktemp("cluster"), api_key=API_KEY, admin_key=ADMIN_KEY, workers=1,
+            # The hand-over test talks to the worker directly: the cluster uses this process's namespace.
+            nats_url=nats_url, namespace=subjects.PREFIX, heartbeat_ttl_s=2.0) as state:
+        yield state
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.gateway_url + "/v1", api_key=API_KEY, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+    return AutoTokenizer.from_pretrained(tiny_checkpoint)  # the one the gateway loads
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_checkpoint):
+    return reference_model(Path(tiny_checkpoint).parent / "hf")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return Engine.from_checkpoint(tiny_checkpoint, max_batch_size=4, max_seq_len=512)
+
+
+def engine_run(engine: Engine, prompt: list[int], **params) -> list[int]:
+    """The token ids the engine (the one the workers run) gives for this request."""
+    engine.add_request("ref", prompt, SamplingParams(**params))
+    ids = []
+    while engine.has_work():
+        ids += [o.token_id for o in engine.step()]
+    return ids
+
+
+def hf_logprobs(hf, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """[len(generated), vocab]: HF's log-softmax at each generated token's position."""
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + generated])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(generated)], dim=-1)
+
+
+def chat_prompt(tokenizer) -> list[int]:
+    rendered = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    return tokenizer(rendered, add_special_tokens=False).input_ids
+
+
+def test_completions_logprobs_and_penalties_match_the_references(client, tokenizer, hf, engine, tiny_checkpoint):
+    params = dict(max_tokens=16, temperature=0, frequency_penalty=0.5, presence_penalty=0.25)
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+    done = client.completions.create(model="tiny", prompt=PROMPT, logprobs=5,
+                                     extra_body={"repetition_penalty": 1.2}, **params)
+    ids = engine_run(engine, PROMPT, repetition_penalty=1.2, **params)
+    assert done.choices[0].text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert done.choices[0].text != plain.choices[0].text  # the penalties were applied
+    assert plain.choices[0].logprobs is None  # not asked: not computed
+    lp = done.choices[0].logprobs
+    want = hf_logprobs(hf, PROMPT, ids)
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs == pytest.approx([float(want[i, t]) for i, t in enumerate(ids)], abs=1e-4)
+    for i, top in enumerate(lp.top_logprobs):
+        best = torch.topk(want[i], 5)
+        expected = {tokenizer.decode([t]): v for t, v in zip(best.indices.tolist(), best.values.tolist())}
+        expected.setdefault(lp.tokens[i], float(want[i, ids[i]]))  # the sampled token's, always
+        assert top.keys() == expected.keys()
+        assert list(top.values()) == pytest.approx(list(expected.values()), abs=1e-4)
+    offsets = [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    assert lp.text_offset == offsets
+    # Streamed: a chunk per token carrying that token's logprobs, the offsets running on.
+    chunks = [c for c in client.completions.create(model="tiny", prompt=PROMPT, logprobs=5, stream=True,
+                                                   extra_body={"repetition_penalty": 1.2}, **params) if c.choices]
+    assert len(chunks) == len(ids)
+    assert all(len(c.choices[0].logprobs.tokens) == 1 for c in chunks)
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in chunks for x in getattr(c.choices[0].logprobs, key)] == getattr(lp, key), key
+    assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
+    # logprobs=0: the sampled token's logprob only.
+    zero = client.completions.create(model="tiny", prompt=PROMPT, logprobs=0, max_tokens=4, temperature=0)
+    assert [list(d) for d in zero.choices[0].logprobs.top_logprobs] == [[t] for t in zero.choices[0].logprobs.tokens]
+
+
+def test_chat_logprobs_streamed_and_not_match_the_references(client, tokenizer, hf, engine):
+    prompt = chat_prompt(tokenizer)
+    params = dict(max_tokens=14, temperature=0.8, seed=1234, presence_penalty=0.6)
+    full = client.chat.completions.create(model="tiny", messages=CHAT, logprobs=True, top_logprobs=3, **params)
+    assert full.usage.prompt_tokens == len(prompt)
+    ids = engine_run(engine, prompt, **params)
+    content = full.choices[0].logprobs.content
+    assert len(content) == len(ids) == full.usage.completion_tokens
+    want = hf_logprobs(hf, prompt, ids)
+    for i, (entry, t) in enumerate(zip(content, ids)):
+        assert entry.token == tokenizer.decode([t])
+        assert entry.logprob == pytest.approx(float(want[i, t]), abs=1e-4)
+        if "\ufffd" not in entry.token:
+            assert bytes(entry.bytes).decode() == entry.token
+        best = torch.topk(want[i], 3)
+        assert [e.token for e in entry.top_logprobs] == [tokenizer.decode([b]) for b in best.indices.tolist()]
+        assert [e.logprob for e in entry.top_logprobs] == pytest.approx(best.values.tolist(), abs=1e-4)
+    # The bytes of all tokens are the completion's bytes (a character split across tokens included).
+    text = bytes(b for e in content for b in e.bytes).decode("utf-8", errors="replace")
+    assert full.choices[0].message.content in text
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, logprobs=True, top_logprobs=3, stream=True,
+                                            **params)
+    chunks = [c for c in stream if c.choices]
+    assert chunks[0].choices[0].logprobs is None  # the role's chunk
+    per_token = [c.choices[0].logprobs.content for c in chunks[1:]]
+    assert [len(x) for x in per_token] == [1] * len(ids)
+    assert [e.model_dump() for x in per_token for e in x] == [e.model_dump() for e in content]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    # logprobs without top_logprobs: each token's own, no alternatives; not asked: none.
+    bare = client.chat.completions.create(model="tiny", messages=CHAT, logprobs=True, max_tokens=3, temperature=0)
+    assert [e.top_logprobs for e in bare.choices[0].logprobs.content] == [[]] * len(bare.choices[0].logprobs.content)
+    assert client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3).choices[0].logprobs is None
+
+
+def test_chat_penalties_change_the_output_as_the_engine_does(client, tokenizer, engine):
+    prompt = chat_prompt(tokenizer)
+    plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=30, temperature=0)
+    assert plain.choices[0].message.content == tokenizer.decode(
+        engine_run(engine, prompt, max_tokens=30, temperature=0), skip_special_tokens=True)
+    for kw in (dict(frequency_penalty=2.0), dict(presence_penalty=-2.0), dict(repetition_penalty=1.5)):
+        extra = {"repetition_penalty": kw.pop("repetition_penalty")} if "repetition_penalty" in kw else {}
+        out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=30, temperature=0,
+                                             extra_body=extra, **kw)
+        ids = engine_run(engine, prompt, max_tokens=30, temperature=0, **kw, **extra)
+        assert out.choices[0].message.content == tokenizer.decode(ids, skip_special_tokens=True), (kw, extra)
+        assert out.choices[0].message.content != plain.choices[0].message.content, (kw, extra)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"presence_penalty": -2.01}, "presence_penalty"),
+])
+def test_out_of_range_parameters_are_a_400_naming_them(cluster, path, body, param):
+    base = ({"model": "tiny", "messages": CHAT} if "chat" in path else {"model": "tiny", "prompt": "x"})
+    r = httpx.post(cluster.gateway_url + path, json={**base, "max_tokens": 2, **body},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+
+def test_a_handed_over_request_keeps_its_penalties_and_logprobs(cluster):
+    """The message a hand-over sends (GenerateRequest with generated_ids, the same SamplingSpec),
+    sent by the test to the serving worker: the resumed request counts the tokens it generated
+    before for its penalties, and goes on with the same tokens and logprobs as one whole run."""
+    admin = httpx.Client(base_url=cluster.gateway_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    (inst,) = [i for i in admin.get("/admin/v1/cluster").json()["instances"]
+               if i["model"] == "tiny" and i["state"] == "ready"]
+    spec = m.SamplingSpec(temperature=0, max_tokens=16, frequency_penalty=0.8, presence_penalty=0.3,
+                          repetition_penalty=1.3, logprobs=3)
+
+    async def generate(request_id: str, generated: list[int]) -> list[m.TokenEvent]:
+        broker = make_broker(cluster.nats_url)
+        events: list[m.TokenEvent] = []
+        done = asyncio.Event()
+        reply = f"{subjects.PREFIX}.test.tokens.{request_id}"
+
+        @broker.subscriber(reply)
+        @on_event(m.TokenEvent)
+        async def token(ev: m.TokenEvent) -> None:
+            events.append(ev)
+            if ev.finished:
+                done.set()
+
+        await start_broker(broker)
+        try:
+            req = m.GenerateRequest(request_id=request_id, instance_id=inst["instance_id"], model="tiny",
+                                    prompt_ids=PROMPT, reply_subject=reply, generated_ids=generated, sampling=spec)
+            await call(broker, subjects.worker_generate(inst["stages"][0]["worker_id"]), req, m.GenerateAccepted)
+            await asyncio.wait_for(done.wait(), 30)
+            return events
+        finally:
+            await broker.stop()
+
+    full = asyncio.run(generate(f"full-{uuid.uuid4().hex[:6]}", []))
+    assert not any(e.error for e in full) and len(full) == 16
+    assert all(e.logprob is not None and len(e.top_logprobs) == 3 for e in full)
+    tokens = [e.token_id for e in full]
+    for at in (3, 9):
+        resumed = asyncio.run(generate(f"moved-{uuid.uuid4().hex[:6]}", tokens[:at]))
+        assert [e.index for e in resumed] == list(range(at, 16))
+        assert tokens[:at] + [e.token_id for e in resumed] == tokens
+        assert [e.logprob for e in resumed] == pytest.approx([e.logprob for e in full[at:]], abs=1e-4)
+        assert [[t for t, _ in e.top_logprobs] for e in resumed] == [[t for t, _ in e.top_logprobs]
+                                                                    for e in full[at:]]
