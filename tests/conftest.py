@@ -138,3 +138,42 @@ def request_scale(nats_url: str, desired: int, model: str = "tiny", reason: str 
         finally:
             await broker.stop()
     asyncio.run(send())
+
+
+def generate_on_worker(nats_url: str, worker_id: str, instance_id: str, prompt_ids: list[int],
+                       sampling, generated_ids: list[int] = (), model: str = "tiny") -> list:
+    """Send a GenerateRequest straight to a worker (as the gateway's hand-over does, with the
+    tokens generated so far) and collect its TokenEvents until the last."""
+    import asyncio
+    import uuid
+
+    from libs.bus.broker import call, make_broker, on_event, start_broker
+    from libs.protocol import messages as m
+    from libs.protocol import subjects
+
+    async def run() -> list[m.TokenEvent]:
+        broker = make_broker(nats_url)
+        events: list[m.TokenEvent] = []
+        done = asyncio.Event()
+        request_id = f"direct-{uuid.uuid4().hex[:8]}"
+        reply = f"{subjects.PREFIX}.test.tokens.{request_id}"
+
+        @broker.subscriber(reply)
+        @on_event(m.TokenEvent)
+        async def token(ev: m.TokenEvent) -> None:
+            events.append(ev)
+            if ev.finished:
+                done.set()
+
+        await start_broker(broker)
+        try:
+            req = m.GenerateRequest(request_id=request_id, instance_id=instance_id, model=model,
+                                    prompt_ids=list(prompt_ids), reply_subject=reply,
+                                    generated_ids=list(generated_ids), sampling=sampling)
+            await call(broker, subjects.worker_generate(worker_id), req, m.GenerateAccepted)
+            await asyncio.wait_for(done.wait(), 30)
+            return events
+        finally:
+            await broker.stop()
+
+    return asyncio.run(run())

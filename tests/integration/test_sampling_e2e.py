@@ -4,8 +4,6 @@ completions' legacy logprobs), streamed and not, checked against the engine over
 checkpoint (for the token ids a seeded or penalized request must produce) and Hugging Face
 (for the logprob values: the log-softmax of the model's logits)."""
 
-import asyncio
-import uuid
 from pathlib import Path
 
 import httpx
@@ -14,11 +12,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from libs.bus.broker import call, make_broker, on_event, start_broker
 from libs.engine import Engine, SamplingParams
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from conftest import running_cluster
+from conftest import generate_on_worker, running_cluster
 from conftest_models import reference_model
 
 pytestmark = pytest.mark.slow
@@ -190,35 +187,16 @@ def test_a_handed_over_request_keeps_its_penalties_and_logprobs(cluster):
     spec = m.SamplingSpec(temperature=0, max_tokens=16, frequency_penalty=0.8, presence_penalty=0.3,
                           repetition_penalty=1.3, logprobs=3)
 
-    async def generate(request_id: str, generated: list[int]) -> list[m.TokenEvent]:
-        broker = make_broker(cluster.nats_url)
-        events: list[m.TokenEvent] = []
-        done = asyncio.Event()
-        reply = f"{subjects.PREFIX}.test.tokens.{request_id}"
+    def generate(generated: list[int]) -> list[m.TokenEvent]:
+        return generate_on_worker(cluster.nats_url, inst["stages"][0]["worker_id"], inst["instance_id"], PROMPT,
+                                  spec, generated)
 
-        @broker.subscriber(reply)
-        @on_event(m.TokenEvent)
-        async def token(ev: m.TokenEvent) -> None:
-            events.append(ev)
-            if ev.finished:
-                done.set()
-
-        await start_broker(broker)
-        try:
-            req = m.GenerateRequest(request_id=request_id, instance_id=inst["instance_id"], model="tiny",
-                                    prompt_ids=PROMPT, reply_subject=reply, generated_ids=generated, sampling=spec)
-            await call(broker, subjects.worker_generate(inst["stages"][0]["worker_id"]), req, m.GenerateAccepted)
-            await asyncio.wait_for(done.wait(), 30)
-            return events
-        finally:
-            await broker.stop()
-
-    full = asyncio.run(generate(f"full-{uuid.uuid4().hex[:6]}", []))
+    full = generate([])
     assert not any(e.error for e in full) and len(full) == 16
     assert all(e.logprob is not None and len(e.top_logprobs) == 3 for e in full)
     tokens = [e.token_id for e in full]
     for at in (3, 9):
-        resumed = asyncio.run(generate(f"moved-{uuid.uuid4().hex[:6]}", tokens[:at]))
+        resumed = generate(tokens[:at])
         assert [e.index for e in resumed] == list(range(at, 16))
         assert tokens[:at] + [e.token_id for e in resumed] == tokens
         assert [e.logprob for e in resumed] == pytest.approx([e.logprob for e in full[at:]], abs=1e-4)

@@ -21,7 +21,7 @@ from libs.bus.broker import call, make_broker, on_event, start_broker
 from libs.transfer.base import BlockSlot
 from libs.transfer.tcp.transport import TcpTransport
 from benchmarks.bench_multicast import ALGORITHMS, run_multicast_benchmark
-from conftest import running_cluster, wait_for
+from conftest import generate_on_worker, running_cluster, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -266,34 +266,14 @@ def test_a_request_handed_over_mid_generation_continues_exactly(cluster):
     instance = next(i["instance_id"] for i in cluster_view(cluster)["instances"]
                     if i["model"] == "tiny" and i["state"] == "ready")
 
-    async def generate(request_id: str, generated: list[int]) -> list[m.TokenEvent]:
-        broker = make_broker(cluster.nats_url)
-        events: list[m.TokenEvent] = []
-        done = asyncio.Event()
-        reply = f"{subjects.PREFIX}.test.tokens.{request_id}"
+    def generate(generated: list[int]) -> list[m.TokenEvent]:
+        return generate_on_worker(cluster.nats_url, src, instance, [1, 5, 9, 13, 200],
+                                  m.SamplingSpec(temperature=0, max_tokens=8), generated)
 
-        @broker.subscriber(reply)
-        @on_event(m.TokenEvent)
-        async def token(ev: m.TokenEvent) -> None:
-            events.append(ev)
-            if ev.finished:
-                done.set()
-
-        await start_broker(broker)
-        try:
-            req = m.GenerateRequest(request_id=request_id, instance_id=instance, model="tiny",
-                                    prompt_ids=[1, 5, 9, 13, 200], reply_subject=reply, generated_ids=generated,
-                                    sampling=m.SamplingSpec(temperature=0, max_tokens=8))
-            await call(broker, subjects.worker_generate(src), req, m.GenerateAccepted)
-            await asyncio.wait_for(done.wait(), 30)
-            return events
-        finally:
-            await broker.stop()
-
-    full = asyncio.run(generate(f"full-{uuid.uuid4().hex[:6]}", []))
+    full = generate([])
     tokens = [e.token_id for e in full]
     assert not any(e.error for e in full)
     assert len(tokens) >= 4  # greedy on a seeded model: deterministic
-    resumed = asyncio.run(generate(f"moved-{uuid.uuid4().hex[:6]}", tokens[:3]))
+    resumed = generate(tokens[:3])
     assert [e.index for e in resumed] == list(range(3, len(tokens)))
     assert tokens[:3] + [e.token_id for e in resumed] == tokens

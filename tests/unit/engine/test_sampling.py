@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest_models import arch, block_dir, hf_dir, reference_model  # noqa: F401  (fixtures)
+from test_engine import drain
 
 from libs.engine import Engine, SamplingParams, apply_penalties, token_logprobs
 
@@ -23,14 +24,6 @@ def engine(block_dir):
     return Engine.from_checkpoint(block_dir, max_batch_size=8, max_seq_len=256, eos_token_ids=())
 
 
-def drain(engine: Engine, max_steps: int = 1000) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return out
-        for o in engine.step():
-            out.setdefault(o.request_id, []).append(o)
-    raise AssertionError("engine did not finish")
 
 
 def hf_step_logits(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
