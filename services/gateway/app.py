@@ -41,6 +41,56 @@ def _check_key(request: Request, keys: list[str], what: str) -> None:
         raise APIError(401, f"Incorrect {what} key provided", code="invalid_api_key")
 
 
+def utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())  # isascii is O(1): no copy of a large prompt
+
+
+class BodyLimit:
+    """Refuses a request body over `max_bytes` (413) before anything reads or parses it: by its
+    Content-Length, or, sent chunked, by counting the bytes as they come (kept up to the limit,
+    then handed on)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        if b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+
+        async def replay():
+            nonlocal body
+            if body is None:
+                return await receive()  # afterwards, only a disconnect can come
+            message, body = {"type": "http.request", "body": body, "more_body": False}, None
+            return message
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        error = APIError(413, f"The request body is larger than the gateway's limit of {self.max_bytes} bytes",
+                         code="request_too_large")
+        await error.response()(scope, receive, send)
+
+
 def _param(loc: tuple) -> str:
     parts = [str(p) for p in loc if p != "body"]
     # pydantic reports union members (e.g. 'str', 'list[str]'): keep the field path only
@@ -55,6 +105,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         await service.stop()
 
     app = FastAPI(title="layercast gateway", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=service.config.max_body_bytes)
 
     def api_key(request: Request) -> None:
         _check_key(request, api_keys, "API")
@@ -123,7 +174,8 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
     async def completions(body: CompletionRequest) -> Response:
         entry = service.entry(body.model)
         if isinstance(body.prompt, str):
-            prompt_ids = entry.tokenizer(body.prompt).input_ids
+            prompt_ids = await service.tokenize(entry, utf8_len(body.prompt), "prompt",
+                                               lambda: entry.tokenizer(body.prompt).input_ids)
         else:
             vocab = len(entry.tokenizer)
             if any(t < 0 or t >= vocab for t in body.prompt):
@@ -155,11 +207,8 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         entry = service.entry(body.model)
         messages = [{"role": msg.role if msg.role != "developer" else "system", "content": msg.text()}
                     for msg in body.messages]
-        try:
-            rendered = entry.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:
-            raise APIError(400, f"cannot apply the model's chat template: {e}", param="messages") from e
-        prompt_ids = entry.tokenizer(rendered, add_special_tokens=False).input_ids
+        prompt_ids = await service.tokenize(entry, sum(utf8_len(msg["content"]) for msg in messages), "messages",
+                                            lambda: _chat_ids(entry, messages, add_generation_prompt=True))
         requested = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         spec = sampling(entry, body, len(prompt_ids), requested, param)
@@ -245,6 +294,15 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
             raise APIError(503, "the registry is not answering; retry later", retry_after=2) from e
 
     return app
+
+
+def _chat_ids(entry: ModelEntry, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    try:
+        rendered = entry.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                       tokenize=False)
+    except Exception as e:
+        raise APIError(400, f"cannot apply the model's chat template: {e}", param="messages") from e
+    return entry.tokenizer(rendered, add_special_tokens=False).input_ids
 
 
 def _usage(gen: Generation) -> dict:
