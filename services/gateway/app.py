@@ -123,6 +123,11 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         first = e.errors()[0]
         if first.get("type") == "json_invalid":
             return APIError(400, "The request body is not valid JSON", code="invalid_json").response()
+        extra = next((err for err in e.errors() if err.get("type") == "extra_forbidden"), None)
+        if extra is not None:  # a field the body model does not declare: not implemented here
+            param = _param(tuple(extra.get("loc", ())))
+            return APIError(400, f"Unsupported parameter: '{param}' is not supported by layercast", param=param,
+                            code="unsupported_parameter").response()
         param = _param(tuple(first.get("loc", ())))
         msg = first.get("msg", "invalid value").removeprefix("Value error, ")
         return APIError(400, f"Invalid value for '{param}': {msg}", param=param, code="invalid_value").response()
