@@ -21,8 +21,15 @@ from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.bus.broker import RemoteError, call
 from services.gateway.errors import APIError
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, DeployRequest
-from services.gateway.service import GatewayService, Generation, ModelEntry
+from services.gateway.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DeployRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from services.gateway.service import INLINE_TOKENIZE_BYTES, GatewayService, Generation, ModelEntry
 
 REQUESTS = Counter("layercast_gateway_requests_total", "HTTP requests", ["endpoint", "status"])
 
@@ -169,6 +176,13 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         e = service.entry(name)
         return {"id": name, "object": "model", "created": int(e.info.created_at), "owned_by": "layercast"}
 
+    async def _tokenize_chat(entry: ModelEntry, messages: list[ChatMessage], add_generation_prompt: bool,
+                             add_special_tokens: bool = False) -> list[int]:
+        turns = [{"role": msg.role if msg.role != "developer" else "system", "content": msg.text()}
+                 for msg in messages]
+        return await service.tokenize(entry, sum(utf8_len(t["content"]) for t in turns), "messages",
+                                      lambda: _chat_ids(entry, turns, add_generation_prompt, add_special_tokens))
+
     def sampling(entry: ModelEntry, body, prompt_len: int, max_tokens: int | None, param: str) -> m.SamplingSpec:
         return m.SamplingSpec(
             temperature=body.temperature, top_p=body.top_p,
@@ -182,10 +196,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
             prompt_ids = await service.tokenize(entry, utf8_len(body.prompt), "prompt",
                                                lambda: entry.tokenizer(body.prompt).input_ids)
         else:
-            vocab = len(entry.tokenizer)
-            if any(t < 0 or t >= vocab for t in body.prompt):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-            prompt_ids = list(body.prompt)
+            prompt_ids = _check_ids(entry, body.prompt, "prompt")
         spec = sampling(entry, body, len(prompt_ids), body.max_tokens, "max_tokens")
         gen = await service.start_generation(entry, prompt_ids, spec, body.stop)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -210,10 +221,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
     @app.post("/v1/chat/completions", dependencies=[Depends(api_key)])
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         entry = service.entry(body.model)
-        messages = [{"role": msg.role if msg.role != "developer" else "system", "content": msg.text()}
-                    for msg in body.messages]
-        prompt_ids = await service.tokenize(entry, sum(utf8_len(msg["content"]) for msg in messages), "messages",
-                                            lambda: _chat_ids(entry, messages, add_generation_prompt=True))
+        prompt_ids = await _tokenize_chat(entry, body.messages, add_generation_prompt=True)
         requested = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         spec = sampling(entry, body, len(prompt_ids), requested, param)
@@ -238,6 +246,28 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                          "finish_reason": finish}],
             "usage": _usage(gen)})
+
+    # --- tokenizer API, as vLLM offers it -------------------------------------------------------------
+    @app.post("/tokenize", dependencies=[Depends(api_key)])
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """The token ids a completion or chat request with this prompt or these messages is given."""
+        entry = service.entry(body.model)
+        if body.prompt is not None:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await service.tokenize(entry, utf8_len(body.prompt), "prompt",
+                                         lambda: entry.tokenizer(body.prompt, add_special_tokens=special).input_ids)
+        else:
+            ids = await _tokenize_chat(entry, body.messages, body.add_generation_prompt,
+                                       add_special_tokens=bool(body.add_special_tokens))
+        return {"count": len(ids), "max_model_len": entry.context_len, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=[Depends(api_key)])
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        entry = service.entry(body.model)
+        ids = _check_ids(entry, body.tokens, "tokens")
+        # Special tokens kept, as vLLM does: the text of exactly these ids.
+        text = await service.off_loop(lambda: entry.tokenizer.decode(ids), small=len(ids) <= INLINE_TOKENIZE_BYTES // 4)
+        return {"prompt": text}
 
     # --- admin API --------------------------------------------------------------------------------------
     @app.post("/admin/v1/models", dependencies=[Depends(admin_key)], status_code=201)
@@ -301,13 +331,22 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
     return app
 
 
-def _chat_ids(entry: ModelEntry, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def _chat_ids(entry: ModelEntry, messages: list[dict], add_generation_prompt: bool,
+              add_special_tokens: bool) -> list[int]:
     try:
         rendered = entry.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                        tokenize=False)
     except Exception as e:
         raise APIError(400, f"cannot apply the model's chat template: {e}", param="messages") from e
-    return entry.tokenizer(rendered, add_special_tokens=False).input_ids
+    # The template writes the special tokens it wants (a BOS): the tokenizer adds none by default.
+    return entry.tokenizer(rendered, add_special_tokens=add_special_tokens).input_ids
+
+
+def _check_ids(entry: ModelEntry, ids: list[int], param: str) -> list[int]:
+    vocab = len(entry.tokenizer)
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        raise APIError(400, f"{param} token ids must be in [0, {vocab})", param=param)
+    return list(ids)
 
 
 def _usage(gen: Generation) -> dict:

@@ -106,6 +106,27 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
+class TokenizeRequest(_Body):
+    """vLLM's `/tokenize`: a prompt, or chat messages rendered by the model's chat template."""
+
+    model: str = Field(min_length=1)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default as the completion endpoints do: a prompt's yes, chat's no
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str = Field(min_length=1)
+    tokens: list[int]
+
+
 class DeployRequest(_Body):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-/]+$")
     path: str = Field(min_length=1)

@@ -368,7 +368,12 @@ class GatewayService(Service):
             raise APIError(400, f"This model's maximum context length is {entry.context_len} tokens; the prompt "
                            f"has {nbytes} bytes, more than that many tokens can hold", param=param,
                            code="context_length_exceeded")
-        if nbytes <= INLINE_TOKENIZE_BYTES:
+        return await self.off_loop(work, small=nbytes <= INLINE_TOKENIZE_BYTES)
+
+    async def off_loop(self, work: Callable[[], object], small: bool):
+        """Tokenizer work: in a tokenizer thread, or, `small` (about a millisecond), at once on the
+        event loop, where it never waits behind large prompts for a thread."""
+        if small:
             return work()
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work)
 

@@ -1,6 +1,6 @@
 """Admission at the gateway, over HTTP against a real cluster: what is refused before any
 work (bodies over the size limit, prompts that cannot fit the context), large prompts
-tokenized without delaying anyone else, and the tokenizer endpoints."""
+tokenized without delaying anyone else, and the tokenizer endpoints (/tokenize, /detokenize)."""
 
 import json
 import statistics
@@ -10,6 +10,7 @@ import uuid
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
 from conftest import running_cluster
 
@@ -136,3 +137,57 @@ def test_large_prompts_being_tokenized_do_not_delay_a_small_request(cluster):
     assert len(big_times) == len(clients)
     # Tokenized on the event loop, the small request waits for them (seconds, on 2 cores).
     assert max(during) <= 2 * alone + 0.1, (alone, during)
+
+
+def test_tokenize_gives_the_ids_a_completion_is_given_and_detokenize_gives_their_text(cluster, tiny_checkpoint):
+    c = api(cluster)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    prompt = "Once upon a time, a café served crème brûlée 😀"
+    r = c.post("/tokenize", json={"model": "tiny", "prompt": prompt})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert set(out) == {"count", "max_model_len", "tokens"}
+    assert out["tokens"] == tokenizer(prompt).input_ids and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == 2048  # the gateway's context cap (the model has 4096 positions)
+    done = c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}).json()
+    assert done["usage"]["prompt_tokens"] == out["count"]
+    # Ids back to text: exactly their text, special tokens included (as vLLM answers).
+    r = c.post("/detokenize", json={"model": "tiny", "tokens": out["tokens"]})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"prompt": tokenizer.bos_token + prompt}
+    bare = c.post("/tokenize", json={"model": "tiny", "prompt": prompt, "add_special_tokens": False}).json()
+    assert bare["count"] == out["count"] - 1
+    assert c.post("/detokenize", json={"model": "tiny", "tokens": bare["tokens"]}).json() == {"prompt": prompt}
+
+
+def test_tokenize_chat_messages_as_the_chat_endpoint_renders_them(cluster):
+    c = api(cluster)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    chat = c.post("/tokenize", json={"model": "tiny", "messages": messages}).json()
+    done = c.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 1}).json()
+    assert done["usage"]["prompt_tokens"] == chat["count"] == len(chat["tokens"])
+    text = c.post("/detokenize", json={"model": "tiny", "tokens": chat["tokens"]}).json()["prompt"]
+    assert text.endswith("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"), text
+    without = c.post("/tokenize", json={"model": "tiny", "messages": messages, "add_generation_prompt": False}).json()
+    assert without["tokens"] == chat["tokens"][:without["count"]] and without["count"] < chat["count"]
+
+
+def test_tokenizer_endpoints_answer_errors_as_the_api_does(cluster):
+    c = api(cluster)
+    for path, body in (("/tokenize", {"model": "tiny", "prompt": "x"}),
+                       ("/detokenize", {"model": "tiny", "tokens": [5]})):
+        assert_openai_error(api(cluster, None).post(path, json=body), 401)
+        assert_openai_error(api(cluster, "sk-wrong").post(path, json=body), 401)
+        assert_openai_error(c.post(path, json={**body, "model": "nope"}), 404, "model")
+        assert_openai_error(c.post(path, json={**body, "return_token_strs": True}), 400, "return_token_strs")
+        assert c.post(path, json=body).status_code == 200
+    assert_openai_error(c.post("/tokenize", json={"model": "tiny"}), 400)  # neither a prompt nor messages
+    assert_openai_error(c.post("/tokenize", json={"model": "tiny", "prompt": "x", "messages": [
+        {"role": "user", "content": "x"}]}), 400)
+    assert_openai_error(c.post("/tokenize", json={"model": "tiny", "messages": []}), 400, "messages")
+    assert_openai_error(c.post("/detokenize", json={"model": "tiny", "tokens": [1, 10**9]}), 400, "tokens")
+    assert_openai_error(c.post("/detokenize", json={"model": "tiny", "tokens": [-1]}), 400, "tokens")
+    assert_openai_error(c.post("/detokenize", json={"model": "tiny", "tokens": "abc"}), 400, "tokens")
+    # A prompt no context holds is refused before tokenizing, as by the completion endpoints.
+    err = assert_openai_error(c.post("/tokenize", json={"model": "tiny", "prompt": "1" * 2_000_000}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded"
