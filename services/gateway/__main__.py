@@ -26,11 +26,14 @@ def main() -> None:
     p.add_argument("--queue-timeout", type=float, default=float(env("LAYERCAST_QUEUE_TIMEOUT", "120")))
     p.add_argument("--slots-per-instance", type=int, default=int(env("LAYERCAST_SLOTS_PER_INSTANCE", "32")))
     p.add_argument("--max-context", type=int, default=int(env("LAYERCAST_MAX_CONTEXT", "2048")))
+    p.add_argument("--max-body-bytes", type=int,
+                   default=int(env("LAYERCAST_MAX_BODY_BYTES", GatewayConfig.max_body_bytes)),
+                   help="larger request bodies are refused (413) unread")
     a = p.parse_args()
     setup_logging("gateway")
     setup_tracing("gateway", subjects.QUIET_SUBJECTS)
     config = GatewayConfig(queue_timeout_s=a.queue_timeout, slots_per_instance=a.slots_per_instance,
-                           max_context=a.max_context)
+                           max_context=a.max_context, max_body_bytes=a.max_body_bytes)
     app = create_app(GatewayService(config), _keys(env("LAYERCAST_API_KEYS"), "LAYERCAST_API_KEYS"),
                      _keys(env("LAYERCAST_ADMIN_KEYS"), "LAYERCAST_ADMIN_KEYS"))
     uvicorn.run(app, host=a.host, port=a.port, log_level=env("LAYERCAST_LOG_LEVEL", "info").lower(),

@@ -22,8 +22,15 @@ from libs.protocol import subjects
 from libs.bus.broker import RemoteError, call
 from services.gateway.errors import APIError
 from services.gateway.logprobs import CompletionLogprobs, chat_content
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, DeployRequest
-from services.gateway.service import GatewayService, Generation, ModelEntry, Piece
+from services.gateway.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DeployRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from services.gateway.service import INLINE_TOKENIZE_BYTES, GatewayService, Generation, ModelEntry, Piece
 
 REQUESTS = Counter("layercast_gateway_requests_total", "HTTP requests", ["endpoint", "status"])
 
@@ -42,6 +49,56 @@ def _check_key(request: Request, keys: list[str], what: str) -> None:
         raise APIError(401, f"Incorrect {what} key provided", code="invalid_api_key")
 
 
+def utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())  # isascii is O(1): no copy of a large prompt
+
+
+class BodyLimit:
+    """Refuses a request body over `max_bytes` (413) before anything reads or parses it: by its
+    Content-Length, or, sent chunked, by counting the bytes as they come (kept up to the limit,
+    then handed on)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        if b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+
+        async def replay():
+            nonlocal body
+            if body is None:
+                return await receive()  # afterwards, only a disconnect can come
+            message, body = {"type": "http.request", "body": body, "more_body": False}, None
+            return message
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        error = APIError(413, f"The request body is larger than the gateway's limit of {self.max_bytes} bytes",
+                         code="request_too_large")
+        await error.response()(scope, receive, send)
+
+
 def _param(loc: tuple) -> str:
     parts = [str(p) for p in loc if p != "body"]
     # pydantic reports union members (e.g. 'str', 'list[str]'): keep the field path only
@@ -56,6 +113,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         await service.stop()
 
     app = FastAPI(title="layercast gateway", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=service.config.max_body_bytes)
 
     def api_key(request: Request) -> None:
         _check_key(request, api_keys, "API")
@@ -73,6 +131,11 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         first = e.errors()[0]
         if first.get("type") == "json_invalid":
             return APIError(400, "The request body is not valid JSON", code="invalid_json").response()
+        extra = next((err for err in e.errors() if err.get("type") == "extra_forbidden"), None)
+        if extra is not None:  # a field the body model does not declare: not implemented here
+            param = _param(tuple(extra.get("loc", ())))
+            return APIError(400, f"Unsupported parameter: '{param}' is not supported by layercast", param=param,
+                            code="unsupported_parameter").response()
         param = _param(tuple(first.get("loc", ())))
         msg = first.get("msg", "invalid value").removeprefix("Value error, ")
         return APIError(400, f"Invalid value for '{param}': {msg}", param=param, code="invalid_value").response()
@@ -114,6 +177,13 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         e = service.entry(name)
         return {"id": name, "object": "model", "created": int(e.info.created_at), "owned_by": "layercast"}
 
+    async def _tokenize_chat(entry: ModelEntry, messages: list[ChatMessage], add_generation_prompt: bool,
+                             add_special_tokens: bool = False) -> list[int]:
+        turns = [{"role": msg.role if msg.role != "developer" else "system", "content": msg.text()}
+                 for msg in messages]
+        return await service.tokenize(entry, sum(utf8_len(t["content"]) for t in turns), "messages",
+                                      lambda: _chat_ids(entry, turns, add_generation_prompt, add_special_tokens))
+
     def sampling(entry: ModelEntry, body, prompt_len: int, max_tokens: int | None, param: str,
                  logprobs: int | None = None) -> m.SamplingSpec:
         return m.SamplingSpec(
@@ -128,12 +198,10 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
     async def completions(body: CompletionRequest) -> Response:
         entry = service.entry(body.model)
         if isinstance(body.prompt, str):
-            prompt_ids = entry.tokenizer(body.prompt).input_ids
+            prompt_ids = await service.tokenize(entry, utf8_len(body.prompt), "prompt",
+                                               lambda: entry.tokenizer(body.prompt).input_ids)
         else:
-            vocab = len(entry.tokenizer)
-            if any(t < 0 or t >= vocab for t in body.prompt):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-            prompt_ids = list(body.prompt)
+            prompt_ids = _check_ids(entry, body.prompt, "prompt")
         spec = sampling(entry, body, len(prompt_ids), body.max_tokens, "max_tokens", body.logprobs)
         gen = await service.start_generation(entry, prompt_ids, spec, body.stop)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -161,13 +229,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
     @app.post("/v1/chat/completions", dependencies=[Depends(api_key)])
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         entry = service.entry(body.model)
-        messages = [{"role": msg.role if msg.role != "developer" else "system", "content": msg.text()}
-                    for msg in body.messages]
-        try:
-            rendered = entry.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:
-            raise APIError(400, f"cannot apply the model's chat template: {e}", param="messages") from e
-        prompt_ids = entry.tokenizer(rendered, add_special_tokens=False).input_ids
+        prompt_ids = await _tokenize_chat(entry, body.messages, add_generation_prompt=True)
         requested = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         spec = sampling(entry, body, len(prompt_ids), requested, param,
@@ -198,6 +260,28 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": logprobs(pieces), "finish_reason": finish}],
             "usage": _usage(gen)})
+
+    # --- tokenizer API, as vLLM offers it -------------------------------------------------------------
+    @app.post("/tokenize", dependencies=[Depends(api_key)])
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """The token ids a completion or chat request with this prompt or these messages is given."""
+        entry = service.entry(body.model)
+        if body.prompt is not None:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await service.tokenize(entry, utf8_len(body.prompt), "prompt",
+                                         lambda: entry.tokenizer(body.prompt, add_special_tokens=special).input_ids)
+        else:
+            ids = await _tokenize_chat(entry, body.messages, body.add_generation_prompt,
+                                       add_special_tokens=bool(body.add_special_tokens))
+        return {"count": len(ids), "max_model_len": entry.context_len, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=[Depends(api_key)])
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        entry = service.entry(body.model)
+        ids = _check_ids(entry, body.tokens, "tokens")
+        # Special tokens kept, as vLLM does: the text of exactly these ids.
+        text = await service.off_loop(lambda: entry.tokenizer.decode(ids), small=len(ids) <= INLINE_TOKENIZE_BYTES // 4)
+        return {"prompt": text}
 
     # --- admin API --------------------------------------------------------------------------------------
     @app.post("/admin/v1/models", dependencies=[Depends(admin_key)], status_code=201)
@@ -259,6 +343,24 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
             raise APIError(503, "the registry is not answering; retry later", retry_after=2) from e
 
     return app
+
+
+def _chat_ids(entry: ModelEntry, messages: list[dict], add_generation_prompt: bool,
+              add_special_tokens: bool) -> list[int]:
+    try:
+        rendered = entry.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                       tokenize=False)
+    except Exception as e:
+        raise APIError(400, f"cannot apply the model's chat template: {e}", param="messages") from e
+    # The template writes the special tokens it wants (a BOS): the tokenizer adds none by default.
+    return entry.tokenizer(rendered, add_special_tokens=add_special_tokens).input_ids
+
+
+def _check_ids(entry: ModelEntry, ids: list[int], param: str) -> list[int]:
+    vocab = len(entry.tokenizer)
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        raise APIError(400, f"{param} token ids must be in [0, {vocab})", param=param)
+    return list(ids)
 
 
 def _usage(gen: Generation) -> dict:

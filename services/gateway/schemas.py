@@ -1,17 +1,43 @@
 """Request bodies of the OpenAI-compatible and admin APIs, validated by pydantic.
-Unknown fields are ignored (clients send many optional ones); values out of
-range are a 400 naming the parameter."""
 
-from typing import Literal
+A field is supported when it is declared here: any other is a 400 naming it (the app turns
+pydantic's `extra_forbidden` into "Unsupported parameter"), so a client never gets a 200 that
+silently ignored what it asked for. Exceptions, in one place below: fields that change nothing
+this gateway could do, and any field sent as null (OpenAI's "not given"). Values out of range
+are a 400 naming the parameter."""
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from libs.planning.autoscale import check_policy
 from libs.protocol import messages as m
 
 
+# Accepted and ignored whatever their value: they ask for nothing a client could see differ here
+# (ids and tags for OpenAI's abuse monitoring and dashboards, caching and service-tier hints, how
+# tool calls would run if tools, which are refused, were given; padding of streamed chunks).
+IGNORED_FIELDS = frozenset({
+    "user", "safety_identifier", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+    "prompt_cache_options", "parallel_tool_calls", "include_obfuscation"})
+# Accepted at these values only, which ask for what layercast does anyway (it never stores outputs).
+NEUTRAL_VALUES: dict[str, Any] = {"store": False}
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if k in cls.model_fields or not _ignored(k, v)}
+
+
+def _ignored(name: str, value: Any) -> bool:
+    neutral = NEUTRAL_VALUES.get(name, ...)
+    return value is None or name in IGNORED_FIELDS or (type(value) is type(neutral) and value == neutral)
 
 
 class StreamOptions(_Body):
@@ -28,7 +54,6 @@ class _SamplingBody(_Body):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=1.0, gt=0.0)  # vLLM's extension (HF's definition)
@@ -92,6 +117,27 @@ class ChatCompletionRequest(_SamplingBody):
         if v and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs set to true")
         return v
+
+
+class TokenizeRequest(_Body):
+    """vLLM's `/tokenize`: a prompt, or chat messages rendered by the model's chat template."""
+
+    model: str = Field(min_length=1)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default as the completion endpoints do: a prompt's yes, chat's no
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str = Field(min_length=1)
+    tokens: list[int]
 
 
 class DeployRequest(_Body):

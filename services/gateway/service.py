@@ -3,10 +3,12 @@ streams back. The HTTP layer (app.py) only translates to and from OpenAI JSON.""
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -29,6 +31,12 @@ log = logging.getLogger(__name__)
 _tracer = tracer("gateway")
 
 SLOW_MODEL_LOAD_S = 2.0  # a tokenizer and index read slower than this is logged as a warning
+# Prompts up to this many UTF-8 bytes are tokenized on the event loop (about a millisecond):
+# they never wait behind large prompts for a tokenizer thread.
+INLINE_TOKENIZE_BYTES = 4096
+# A token covers at most its longest string's bytes of input, times this for normalizers that
+# compose several input characters into one (NFC makes one syllable of three Hangul jamo).
+NORMALIZER_SLACK = 4
 
 TTFT = Histogram("layercast_gateway_ttft_seconds", "Time to first token", ["model"],
                  buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
@@ -49,6 +57,7 @@ class ModelEntry:
     context_len: int
     eos_ids: list[int]
     routes: ModelRoutes
+    max_prompt_bytes: int  # a longer prompt cannot fit the context, whatever it tokenizes to
     ttft_samples: list[float] = field(default_factory=list)
 
     @cached_property
@@ -66,6 +75,9 @@ class GatewayConfig:
     slots_per_instance: int = 32
     max_context: int = 2048
     default_max_tokens: int = 1024
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies are refused (413) unread
+    # Large prompts are tokenized in these threads; half the cores leaves the rest to the event loop.
+    tokenizer_threads: int = field(default_factory=lambda: max(1, (os.cpu_count() or 2) // 2))
     metrics_interval_s: float = 0.5
     resync_interval_s: float = 5.0
 
@@ -210,10 +222,15 @@ class GatewayService(Service):
         self.ended = EndedInstances()
         self._adding: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._demand = asyncio.Event()
+        self._tokenizing = ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="tokenize")
         self._subscribe()
 
     def healthy(self) -> bool:
         return self._synced
+
+    async def stop(self) -> None:
+        await super().stop()
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     def background(self) -> list:
         return [self.every(lambda: self.config.resync_interval_s if self._synced else 0.5, self.resync, "registry resync",
@@ -237,6 +254,7 @@ class GatewayService(Service):
         started = time.monotonic()
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, info.path)
         index = await asyncio.to_thread(CheckpointIndex.load, info.path)
+        longest_token = await asyncio.to_thread(lambda: max(len(t.encode()) for t in tokenizer.get_vocab()))
         took = time.monotonic() - started
         (log.warning if took > SLOW_MODEL_LOAD_S else log.info)("model %s: tokenizer and index read in %.2f s",
                                                                  info.name, took)
@@ -245,7 +263,8 @@ class GatewayService(Service):
         eos = index.config.get("eos_token_id", tokenizer.eos_token_id)
         eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
         entry = ModelEntry(info, tokenizer, context, eos_ids,
-                           ModelRoutes(info.name, info.max_queue, self.config.slots_per_instance))
+                           ModelRoutes(info.name, info.max_queue, self.config.slots_per_instance),
+                           max_prompt_bytes=context * longest_token * NORMALIZER_SLACK)
         self.models[info.name] = entry
         return entry
 
@@ -351,6 +370,23 @@ class GatewayService(Service):
         if entry is None:
             raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
         return entry
+
+    async def tokenize(self, entry: ModelEntry, nbytes: int, param: str, work: Callable[[], list[int]]) -> list[int]:
+        """Run `work` (tokenizing a prompt of `nbytes` UTF-8 bytes, chat template included) off
+        the event loop, so a large prompt delays no other request; a prompt too long for the
+        context whatever it tokenizes to is refused first, without tokenizing it."""
+        if nbytes > entry.max_prompt_bytes:
+            raise APIError(400, f"This model's maximum context length is {entry.context_len} tokens; the prompt "
+                           f"has {nbytes} bytes, more than that many tokens can hold", param=param,
+                           code="context_length_exceeded")
+        return await self.off_loop(work, small=nbytes <= INLINE_TOKENIZE_BYTES)
+
+    async def off_loop(self, work: Callable[[], object], small: bool):
+        """Tokenizer work: in a tokenizer thread, or, `small` (about a millisecond), at once on the
+        event loop, where it never waits behind large prompts for a thread."""
+        if small:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work)
 
     def resolve_max_tokens(self, entry: ModelEntry, prompt_len: int, requested: int | None, param: str) -> int:
         room = entry.context_len - prompt_len

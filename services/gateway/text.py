@@ -3,25 +3,54 @@ stop sequences (the stop text itself is never sent, as in the OpenAI API)."""
 
 
 class IncrementalDetokenizer:
+    """Streams the text of generated ids with O(1) decoding work per token (vLLM's window).
+
+    Only two short windows are decoded at each token: ids[prefix_offset:read_offset] (text
+    already sent, decoded again as context) and ids[prefix_offset:] (the same plus the new
+    ids); the new text is the difference. Context matters: some decoders (SentencePiece's)
+    drop the leading space of a window's first token, and both windows drop it alike. The
+    offsets move on only once the text does not end in U+FFFD, so a UTF-8 character split
+    over tokens is sent whole, and every offset stays on a character boundary: the deltas
+    add up to `decode(all ids)`. (A run of tokens that keeps ending in U+FFFD, invalid
+    bytes, keeps the window growing until a whole character comes, as in vLLM.)"""
+
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
         self._ids: list[int] = []
-        self.text = ""
+        self._prefix_offset = 0  # start of the context window (already sent)
+        self._read_offset = 0  # end of what has been sent
+        self._sent: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._sent)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _window(self) -> tuple[str, str]:
+        """(text already sent of the window, the window's whole text)."""
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        return prefix, self._decode(self._ids[self._prefix_offset:])
 
     def add(self, token_id: int) -> str:
         """Append a token; return the newly decodable text (may be empty while a
         multi-byte character is incomplete)."""
         self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.text = text[len(self.text):], text
+        prefix, text = self._window()
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""  # nothing printable yet (a special token, an incomplete character)
+        delta = text[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._sent.append(delta)
         return delta
 
     def finish(self) -> str:
         """At the end, whatever is left, undecodable bytes included (as U+FFFD)."""
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
-        delta, self.text = text[len(self.text):], text
+        prefix, text = self._window()
+        delta = text[len(prefix):]
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self._sent.append(delta)
         return delta
 
 
