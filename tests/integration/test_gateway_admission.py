@@ -13,6 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import running_cluster
+from test_serving_e2e import assert_openai_error
 
 pytestmark = pytest.mark.slow
 
@@ -32,15 +33,6 @@ def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
 def api(cluster, key: str | None = API_KEY) -> httpx.Client:
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     return httpx.Client(base_url=cluster.gateway_url, headers=headers, timeout=120)
-
-
-def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-    return err
 
 
 def completion_body(prompt: str, **extra) -> bytes:
