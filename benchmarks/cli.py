@@ -275,7 +275,9 @@ def serve(
                                                          "(tiny, small, 100m, ...) or a block checkpoint's path."),
     new_tokens: int = typer.Option(32, "--new-tokens", min=2, help="Tokens per stream."),
     repeat: int = typer.Option(3, "--repeat", min=1, help="Trials; the median is reported, every trial listed."),
-    torch_threads: int = typer.Option(2, "--torch-threads", min=1, help="The worker's and the engine baseline's."),
+    torch_threads: int = typer.Option(1, "--torch-threads", min=1,
+                                      help="The worker's and the engine baseline's (1, as `layercast up`: on a "
+                                           "2-core machine 2 OpenMP threads contend with the serving path)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     state_dir: Path = typer.Option(Path(".layercast"), "--state-dir"),
 ) -> None:
