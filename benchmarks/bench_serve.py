@@ -61,12 +61,19 @@ def _serve_trial(base_url: str, key: str, model: str, prompts: list[list[int]], 
     [t.join() for t in threads]
     # The decode rate while every stream decodes (as the engine's figure: no prefill in it): the
     # tokens all streams got between the last first token and the first last token.
+    # A stream that ended (EOS) before the last one started is left out of the window; if no
+    # window is left, the rate over the whole run stands in.
     start = max(r["times"][0] for r in results)
-    end = min(r["times"][-1] for r in results)
-    window = sum(sum(1 for t in r["times"] if start < t <= end) for r in results)
+    alive = [r for r in results if r["times"][-1] > start]
+    end = min((r["times"][-1] for r in alive), default=start)
+    if end > start:
+        rate = sum(sum(1 for t in r["times"] if start < t <= end) for r in alive) / (end - start)
+    else:
+        first, last = min(r["times"][0] for r in results), max(r["times"][-1] for r in results)
+        rate = sum(len(r["times"]) - 1 for r in results) / (last - first)
     ttft = [r["times"][0] - r["started"] for r in results]
     itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
-    return {"tokens_per_s": window / (end - start) if end > start else float("nan"), "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+    return {"tokens_per_s": rate, "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
             "itl_p50_s": _pct(itl, 0.5), "itl_p99_s": _pct(itl, 0.99),
             "tokens": sum(len(r["times"]) for r in results)}
 
