@@ -205,7 +205,10 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         spec = sampling(entry, body, len(prompt_ids), body.max_tokens, "max_tokens", body.logprobs)
         gen = await service.start_generation(entry, prompt_ids, spec, body.stop)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        prefix = body.prompt if (body.echo and isinstance(body.prompt, str)) else ""
+        prefix = ""
+        if body.echo:  # the prompt as given, or the text of its ids
+            prefix = body.prompt if isinstance(body.prompt, str) else await service.off_loop(
+                lambda: entry.tokenizer.decode(prompt_ids), small=len(prompt_ids) <= INLINE_TOKENIZE_BYTES // 4)
         logprobs = (CompletionLogprobs(entry.token_strings, body.logprobs, offset=len(prefix))
                     if body.logprobs is not None else None)
 

@@ -75,6 +75,15 @@ class CompletionRequest(_SamplingBody):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)  # the legacy API's: the top k, 0..5
 
+    @field_validator("logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        # echo + logprobs asks for the prompt's logprobs too: the engine computes the generated
+        # tokens' only, so a partial answer would mislead (e.g. a scoring harness).
+        if v is not None and info.data.get("echo"):
+            raise ValueError("echo with logprobs (the prompt's logprobs) is not supported")
+        return v
+
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: str | list[str] | list[int]) -> str | list[int]:

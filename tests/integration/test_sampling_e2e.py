@@ -167,6 +167,7 @@ def test_chat_penalties_change_the_output_as_the_engine_does(client, tokenizer, 
     ("/v1/completions", {"logprobs": 6}, "logprobs"),
     ("/v1/completions", {"logprobs": -1}, "logprobs"),
     ("/v1/completions", {"presence_penalty": -2.01}, "presence_penalty"),
+    ("/v1/completions", {"echo": True, "logprobs": 1}, "logprobs"),  # the prompt's logprobs: not computed
 ])
 def test_out_of_range_parameters_are_a_400_naming_them(cluster, path, body, param):
     base = ({"model": "tiny", "messages": CHAT} if "chat" in path else {"model": "tiny", "prompt": "x"})
@@ -175,6 +176,14 @@ def test_out_of_range_parameters_are_a_400_naming_them(cluster, path, body, para
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
 
+
+
+def test_echo_gives_back_the_prompt_given_as_text_or_as_ids(client, tokenizer):
+    text = tokenizer.decode(PROMPT)
+    for prompt in (PROMPT, text):
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True)
+        alone = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
+        assert out.choices[0].text == text + alone.choices[0].text
 
 
 def test_a_handed_over_request_keeps_its_penalties_and_logprobs(cluster):
