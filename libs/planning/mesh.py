@@ -1,0 +1,370 @@
+"""LLM-Mesh's decisions for many models sharing workers, as pure functions (llm-mesh.txt).
+
+- §5.2 performance quantification: :class:`Profile`, prefill time by 1-D linear interpolation
+  over prompt lengths, decode-iteration time by 2-D interpolation over batch size x mean
+  sequence length, sampled at powers of two (:func:`sample_points`).
+- §5.1 headroom (eq. 1) and token-level scheduling: each iteration goes to the instance that
+  holds the request with the least headroom (:func:`next_instance`).
+- §5.3 shadow validation: a request joins an instance only if a simulated future of the node
+  (every iteration overestimated by a margin, 10% as the paper) has none of Fig. 6's three
+  failures (:func:`shadow_validate`).
+- §6.1-6.2 KV demand (eq. 2) and watermark resizing: scale up early to M_require*(1+w), down
+  lazily (:func:`kv_require`, :func:`kv_resize`); §6.4 the compromise to M_require
+  (:func:`kv_grant`) and the eviction of the request with the longest headroom.
+- §6.3 hazard-aware orchestration of memory operations: an optimistic budget decides whether
+  an operation may be issued, a pessimistic tracking whether it may start now; a scale-up that
+  could overrun memory waits in a reservation station until a scale-down completes
+  (:class:`MemoryState`, :func:`issue`, :func:`complete`).
+- §7 defragmentation: the neighbours an instance may preempt (smaller batch, smallest first)
+  and bin-packing order (largest batch first), CPU workers before GPU workers.
+
+No I/O; time is passed in.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+__all__ = [
+    "DEFAULT_TPOT_SLO_S",
+    "MARGIN",
+    "MemOp",
+    "MemoryState",
+    "MeshInstance",
+    "Profile",
+    "RunningRequest",
+    "Validation",
+    "candidate_order",
+    "complete",
+    "default_ttft_slo",
+    "eviction_victim",
+    "issue",
+    "kv_grant",
+    "kv_require",
+    "kv_resize",
+    "next_instance",
+    "preemption_candidates",
+    "sample_points",
+    "shadow_validate",
+    "simulate",
+]
+
+MARGIN = 0.10  # §5.3: each simulated iteration is overestimated by 10%
+DEFAULT_TPOT_SLO_S = 0.25  # §8: the paper's TPOT SLO
+
+
+def default_ttft_slo(prompt_len: int) -> float:
+    """§8: the TTFT SLO grows with the prompt, max(2, L/512) seconds."""
+    return max(2.0, prompt_len / 512)
+
+
+# --- §5.2 performance quantification ------------------------------------------------------------
+
+
+def sample_points(maximum: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to `maximum` (included): O(log) samples per dimension."""
+    if maximum < 1:
+        raise ValueError(f"maximum must be >= 1, got {maximum}")
+    points = [1 << i for i in range(maximum.bit_length()) if 1 << i <= maximum]
+    return tuple(points if points[-1] == maximum else [*points, maximum])
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), xs ascending: the two closest known points. Below the
+    first point, the first value (a shorter input is never slower); beyond the last, the last
+    segment extended (work keeps growing)."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One model on one device kind: measured prefill and decode-iteration times (seconds)."""
+
+    prefill_lengths: tuple[int, ...]
+    prefill_s: tuple[float, ...]
+    batches: tuple[int, ...]  # S_B
+    lengths: tuple[int, ...]  # S_L: mean sequence length of the batch
+    decode_s: tuple[tuple[float, ...], ...]  # decode_s[i][j]: batches[i] requests of mean length lengths[j]
+
+    def __post_init__(self):
+        for name, xs in (("prefill_lengths", self.prefill_lengths), ("batches", self.batches),
+                         ("lengths", self.lengths)):
+            if not xs or any(b <= a for a, b in zip(xs, xs[1:])):
+                raise ValueError(f"{name} must be non-empty and strictly ascending, got {xs}")
+        if len(self.prefill_s) != len(self.prefill_lengths):
+            raise ValueError("one prefill time per prefill length")
+        if len(self.decode_s) != len(self.batches) or any(len(r) != len(self.lengths) for r in self.decode_s):
+            raise ValueError("decode_s must be len(batches) rows of len(lengths) times")
+        if any(t < 0 or not math.isfinite(t) for t in (*self.prefill_s, *(t for r in self.decode_s for t in r))):
+            raise ValueError("times must be finite and >= 0")
+
+    def prefill_time(self, prompt_len: int) -> float:
+        return _interp(self.prefill_lengths, self.prefill_s, prompt_len)
+
+    def decode_time(self, batch: int, mean_len: float) -> float:
+        """Bilinear between the four closest samples: along the lengths in each batch row, then
+        along the batches."""
+        if batch <= 0:
+            return 0.0
+        by_batch = [_interp(self.lengths, row, mean_len) for row in self.decode_s]
+        return _interp(self.batches, by_batch, batch)
+
+
+# --- §5.1 headroom and token-level scheduling ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunningRequest:
+    id: str
+    start: float  # ST: when it arrived
+    prompt_len: int
+    generated: int = 0  # O: tokens out so far; 0 = its prefill is still to run
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = DEFAULT_TPOT_SLO_S
+
+    def deadline(self) -> float:
+        """When its next token is due: ST + TTFT_SLO + TPOT_SLO * O."""
+        return self.start + self.ttft_slo_s + self.tpot_slo_s * self.generated
+
+    def headroom(self, now: float) -> float:
+        """Eq. (1): how long its next token may still wait."""
+        return self.deadline() - now
+
+
+@dataclass(frozen=True)
+class MeshInstance:
+    id: str
+    model: str
+    profile: Profile
+    requests: tuple[RunningRequest, ...] = ()
+    device: str = "cpu"
+
+    @property
+    def batch(self) -> int:
+        return len(self.requests)
+
+    def least_headroom(self, now: float) -> float:
+        return min((r.headroom(now) for r in self.requests), default=math.inf)
+
+    def iteration(self) -> tuple[float, tuple[str, ...]]:
+        """The next iteration's time and the requests it gives a token, as the engine steps: one
+        decode over every request past its prefill, plus the prefill of the earliest request
+        still waiting for one (prefill and decode times are profiled apart and add up)."""
+        decoding = [r for r in self.requests if r.generated > 0]
+        waiting = [r for r in self.requests if r.generated == 0]
+        seconds, served = 0.0, [r.id for r in decoding]
+        if decoding:
+            mean_len = sum(r.prompt_len + r.generated for r in decoding) / len(decoding)
+            seconds = self.profile.decode_time(len(decoding), mean_len)
+        if waiting:
+            first = min(waiting, key=lambda r: (r.start, r.id))
+            seconds += self.profile.prefill_time(first.prompt_len)
+            served.append(first.id)
+        return seconds, tuple(served)
+
+    def decode_time(self) -> float:
+        """One decode iteration over every request, as if all were past their prefill."""
+        if not self.requests:
+            return 0.0
+        mean_len = sum(r.prompt_len + max(r.generated, 1) for r in self.requests) / len(self.requests)
+        return self.profile.decode_time(len(self.requests), mean_len)
+
+
+def next_instance(instances: Iterable[MeshInstance], now: float) -> str | None:
+    """§5.1: the instance that runs the next iteration, the one holding the most urgent request
+    (ties by id, so the order is deterministic); None when no instance has work."""
+    busy = [i for i in instances if i.requests]
+    if not busy:
+        return None
+    return min(busy, key=lambda i: (i.least_headroom(now), i.id)).id
+
+
+@dataclass(frozen=True)
+class Late:
+    instance: str
+    request: str
+    lateness_s: float
+
+
+def simulate(instances: Sequence[MeshInstance], now: float, *, until_tokens: dict[str, int] | None = None,
+             margin: float = MARGIN, max_iterations: int = 10_000) -> tuple[Late, ...]:
+    """Run the node's token-level schedule forward in time (each iteration `1 + margin` times its
+    profile) and return every token that came after its deadline (first lateness per request).
+    Stops once each request in `until_tokens` has that many tokens (default: every request two
+    more), or after `max_iterations`."""
+    state = {i.id: i for i in instances}
+    goal = until_tokens if until_tokens is not None else {
+        r.id: r.generated + 2 for i in instances for r in i.requests}
+    late: dict[str, Late] = {}
+    t = now
+    for _ in range(max_iterations):
+        produced = {r.id: r.generated for i in state.values() for r in i.requests}
+        if all(produced.get(rid, math.inf) >= n for rid, n in goal.items()):
+            break
+        chosen = next_instance(state.values(), t)
+        if chosen is None:
+            break
+        inst = state[chosen]
+        seconds, served = inst.iteration()
+        t += seconds * (1 + margin)
+        updated = []
+        for r in inst.requests:
+            if r.id in served:
+                if t > r.deadline() and r.id not in late:
+                    late[r.id] = Late(chosen, r.id, t - r.deadline())
+                r = replace(r, generated=r.generated + 1)
+            updated.append(r)
+        state[chosen] = replace(inst, requests=tuple(updated))
+    return tuple(late.values())
+
+
+# --- §5.3 shadow validation --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Validation:
+    ok: bool
+    # Fig. 6's three cases: (1) the new request's prefill ends too late; (2) an existing request
+    # becomes late because of it; (3) one decode iteration over the whole node exceeds a TPOT SLO.
+    case: Literal["new_prefill_late", "existing_late", "node_tpot_exceeded"] | None = None
+    detail: str = ""
+
+
+def shadow_validate(node: Sequence[MeshInstance], target: MeshInstance, new: RunningRequest, now: float,
+                    margin: float = MARGIN) -> Validation:
+    """Whether `new` may join `target` (one of `node`'s instances, or a new one) on this node:
+    simulate the node's future with and without it, up to the new request's first two decoded
+    tokens (R5-D1, R5-D2 in Fig. 6), and refuse on any of the three cases. A request that is late
+    even without the new one is not held against it."""
+    joined = replace(target, requests=(*target.requests, new))
+    with_new = [joined if i.id == target.id else i for i in node]
+    if all(i.id != target.id for i in node):
+        with_new.append(joined)
+    goal = {r.id: r.generated + 2 for i in node for r in i.requests} | {new.id: new.generated + 3}
+    late = simulate(with_new, now, until_tokens=goal, margin=margin)
+    mine = next((x for x in late if x.request == new.id), None)
+    if mine is not None:
+        return Validation(False, "new_prefill_late", f"{new.id} late by {mine.lateness_s:.3f} s")
+    before = {x.request for x in simulate(node, now, until_tokens={k: v for k, v in goal.items() if k != new.id},
+                                          margin=margin)}
+    pushed = [x for x in late if x.request not in before]
+    if pushed:
+        return Validation(False, "existing_late", f"{pushed[0].request} late by {pushed[0].lateness_s:.3f} s")
+    aggregate = sum(i.decode_time() for i in with_new) * (1 + margin)
+    tightest = min(r.tpot_slo_s for i in with_new for r in i.requests)
+    if aggregate > tightest:
+        return Validation(False, "node_tpot_exceeded", f"node decode iteration {aggregate:.3f} s > {tightest} s")
+    return Validation(True)
+
+
+def candidate_order(instances: Iterable[MeshInstance]) -> list[MeshInstance]:
+    """Where to try a model's request first: CPU workers before GPU ones (§4: GPUs stay free for
+    what needs them), then the largest batch first (§7.2 bin-packing: small fragments drain)."""
+    return sorted(instances, key=lambda i: (i.device != "cpu", -i.batch, i.id))
+
+
+def preemption_candidates(node: Iterable[MeshInstance], requester: MeshInstance) -> list[MeshInstance]:
+    """§7.1: the neighbours `requester` may preempt: smaller batches only, the smallest first (so
+    an enlarged instance is never broken up to grow a smaller one)."""
+    return sorted((i for i in node if i.id != requester.id and i.batch < requester.batch),
+                  key=lambda i: (i.batch, i.id))
+
+
+def eviction_victim(requests: Iterable[RunningRequest], now: float) -> RunningRequest | None:
+    """§6.4 last resort: the request with the longest headroom (it can best afford a restart)."""
+    return max(requests, key=lambda r: (r.headroom(now), r.id), default=None)
+
+
+# --- §6.1-6.2, 6.4 elastic KV ------------------------------------------------------------------------
+
+
+def kv_require(bytes_per_token: int, requests: Iterable[tuple[int, int]], mean_output: float,
+               min_tokens: int) -> int:
+    """Eq. (2): C * max(sum over requests of I_r + max(O_r, mean output), L_min) bytes, with
+    `requests` as (input length, generated so far) pairs."""
+    tokens = sum(i + max(o, mean_output) for i, o in requests)
+    return int(math.ceil(bytes_per_token * max(tokens, min_tokens)))
+
+
+def kv_resize(current: int, require: int, watermark: float) -> int:
+    """§6.2: the KV size to have: up at once to M_recommend = M_require * (1 + w) when the cache
+    is short, down to it only once M_recommend * (1 + w) < current; else unchanged."""
+    recommend = int(math.ceil(require * (1 + watermark)))
+    if current < require or recommend * (1 + watermark) < current:
+        return recommend
+    return current
+
+
+def kv_grant(current: int, require: int, recommend: int, available: int) -> int | None:
+    """§6.4: the size a scale-up may go to with `available` bytes free in the budget: the
+    recommendation if it fits, else the compromise M_require, else None (the request cannot join)."""
+    for size in (recommend, require):
+        if size - current <= available:
+            return max(size, current)
+    return None
+
+
+# --- §6.3 hazard-aware orchestration -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemOp:
+    """A change of one allocation (a model's weights or an instance's KV) from `old` to `new` bytes."""
+
+    id: str
+    old: int
+    new: int
+
+    @property
+    def delta(self) -> int:
+        return self.new - self.old
+
+
+@dataclass(frozen=True)
+class MemoryState:
+    capacity: int
+    budget: int = 0  # optimistic: every allocation at the size it is heading to
+    tracked: int = 0  # pessimistic: what may be allocated now (a shrink counts at its old size until done)
+    running: tuple[MemOp, ...] = ()
+    waiting: tuple[MemOp, ...] = ()  # the reservation station: issued scale-ups that could overrun memory
+
+
+def issue(state: MemoryState, op: MemOp) -> tuple[MemoryState, bool, tuple[MemOp, ...]]:
+    """Issue `op`: (new state, accepted, operations to start now). A shrink is accepted and
+    starts at once. A growth is refused when the budget cannot take it (the caller compromises
+    or evicts); accepted, it starts now if the pessimistic tracking says memory holds it, else
+    it waits in the reservation station."""
+    if op.delta <= 0:
+        return replace(state, budget=state.budget + op.delta, running=(*state.running, op)), True, (op,)
+    if state.budget + op.delta > state.capacity:
+        return state, False, ()
+    state = replace(state, budget=state.budget + op.delta)
+    if state.tracked + op.delta <= state.capacity:
+        return replace(state, tracked=state.tracked + op.delta, running=(*state.running, op)), True, (op,)
+    return replace(state, waiting=(*state.waiting, op)), True, ()
+
+
+def complete(state: MemoryState, op_id: str) -> tuple[MemoryState, tuple[MemOp, ...]]:
+    """`op_id` has finished: a shrink releases its memory, and the reservation station starts
+    what now fits (in issue order, skipping what still does not: out of order, as Tomasulo)."""
+    op = next((o for o in state.running if o.id == op_id), None)
+    if op is None:
+        raise KeyError(f"no running memory operation {op_id!r}")
+    tracked = state.tracked + min(op.delta, 0)
+    running = tuple(o for o in state.running if o.id != op_id)
+    started, waiting = [], []
+    for w in state.waiting:
+        if tracked + w.delta <= state.capacity:
+            tracked += w.delta
+            started.append(w)
+        else:
+            waiting.append(w)
+    return replace(state, tracked=tracked, running=(*running, *started), waiting=tuple(waiting)), tuple(started)

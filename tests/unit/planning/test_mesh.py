@@ -1,0 +1,286 @@
+"""LLM-Mesh's pure decisions (libs/planning/mesh.py): interpolation, headroom order, the three
+shadow-validation cases of Fig. 6, watermarks and the reservation station."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from libs.planning.mesh import (
+    MemOp,
+    MemoryState,
+    MeshInstance,
+    Profile,
+    RunningRequest,
+    candidate_order,
+    complete,
+    default_ttft_slo,
+    eviction_victim,
+    issue,
+    kv_grant,
+    kv_require,
+    kv_resize,
+    next_instance,
+    preemption_candidates,
+    sample_points,
+    shadow_validate,
+    simulate,
+)
+
+ascending = st.lists(st.integers(1, 4096), min_size=1, max_size=8, unique=True).map(sorted)
+seconds = st.floats(0, 10, allow_nan=False)
+
+
+def linear_profile(prefill_per_token=0.001, decode_base=0.02, per_request=0.005, per_len=0.00001) -> Profile:
+    """Times linear in every variable, sampled at powers of two (interpolation is then exact)."""
+    lengths, batches = sample_points(4096), sample_points(64)
+    return Profile(lengths, tuple(prefill_per_token * n for n in lengths), batches, lengths,
+                   tuple(tuple(decode_base + per_request * b + per_len * b * n for n in lengths) for b in batches))
+
+
+# --- interpolation ---------------------------------------------------------------------------------
+
+
+def test_sample_points_are_powers_of_two_up_to_the_maximum():
+    assert sample_points(1) == (1,)
+    assert sample_points(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert sample_points(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+
+
+@given(st.data())
+def test_prefill_interpolation_goes_through_the_samples_and_stays_between_neighbours(data):
+    xs = data.draw(ascending)
+    ys = sorted(data.draw(st.lists(seconds, min_size=len(xs), max_size=len(xs))))
+    p = Profile(tuple(xs), tuple(ys), (1,), (1,), ((0.0,),))
+    for x, y in zip(xs, ys):
+        assert p.prefill_time(x) == pytest.approx(y)
+    x = data.draw(st.integers(xs[0], xs[-1]))
+    i = max(j for j, v in enumerate(xs) if v <= x)
+    hi = ys[min(i + 1, len(ys) - 1)]
+    assert ys[i] - 1e-9 <= p.prefill_time(x) <= hi + 1e-9
+    assert p.prefill_time(0) == ys[0]  # below the samples: the first, never less
+
+
+def test_prefill_beyond_the_samples_extends_the_last_segment():
+    p = Profile((128, 256), (0.1, 0.2), (1,), (1,), ((0.0,),))
+    assert p.prefill_time(512) == pytest.approx(0.4)
+    assert p.prefill_time(192) == pytest.approx(0.15)
+
+
+@given(st.integers(1, 64), st.floats(1, 4096))
+def test_decode_interpolation_is_exact_on_a_bilinear_surface(batch, mean_len):
+    p = linear_profile()
+    # Each grid cell of a bilinear function is reproduced exactly by bilinear interpolation.
+    assert p.decode_time(batch, mean_len) == pytest.approx(0.02 + 0.005 * batch + 0.00001 * batch * mean_len)
+
+
+def test_a_profile_refuses_samples_out_of_order_or_of_the_wrong_shape():
+    with pytest.raises(ValueError):
+        Profile((2, 1), (0.1, 0.2), (1,), (1,), ((0.0,),))
+    with pytest.raises(ValueError):
+        Profile((1,), (0.1,), (1, 2), (1,), ((0.0,),))
+    with pytest.raises(ValueError):
+        Profile((1,), (-1.0,), (1,), (1,), ((0.0,),))
+
+
+# --- headroom and token-level scheduling ----------------------------------------------------------------
+
+
+def test_headroom_is_equation_one():
+    r = RunningRequest("r", start=10.0, prompt_len=100, generated=4, ttft_slo_s=2.0, tpot_slo_s=0.25)
+    assert r.headroom(now=12.5) == pytest.approx(10 + 2 + 0.25 * 4 - 12.5)
+    assert default_ttft_slo(100) == 2.0 and default_ttft_slo(2048) == 4.0
+
+
+@given(st.lists(st.tuples(st.floats(0, 10), st.integers(0, 50)), min_size=1, max_size=12), st.floats(0, 20))
+def test_the_next_iteration_goes_to_the_instance_with_the_least_headroom(reqs, now):
+    p = linear_profile()
+    instances = [MeshInstance(f"i{k % 3}", "m", p, ()) for k in range(3)]
+    for k, (start, generated) in enumerate(reqs):
+        i = instances[k % 3]
+        instances[k % 3] = MeshInstance(i.id, "m", p, (*i.requests, RunningRequest(f"r{k}", start, 10, generated)))
+    chosen = next_instance(instances, now)
+    least = min(r.headroom(now) for i in instances for r in i.requests)
+    assert min(r.headroom(now) for r in next(i for i in instances if i.id == chosen).requests) == least
+    assert next_instance([MeshInstance("idle", "m", p)], now) is None
+
+
+def test_figure_5_a_served_request_gains_one_tpot_less_the_iteration():
+    p = Profile((1,), (0.0,), (1,), (1,), ((0.05 / 1.1,),))  # one decode iteration: 0.05 s with the margin
+    r = RunningRequest("r", start=0.0, prompt_len=1, generated=1, ttft_slo_s=1.65, tpot_slo_s=0.25)  # headroom 1.9
+    inst = MeshInstance("i2", "m", p, (r,))
+    assert r.headroom(0.0) == pytest.approx(1.9)
+    assert simulate([inst], 0.0, until_tokens={"r": 2}) == ()
+    # After one iteration of 0.05 s it has one more token: 1.9 - 0.05 + 0.25 = 2.1 s.
+    assert RunningRequest("r", 0.0, 1, 2, 1.65, 0.25).headroom(0.05) == pytest.approx(2.1)
+
+
+# --- shadow validation: the three cases of Fig. 6 ------------------------------------------------------
+
+
+def node_with(decoding: int, prefill_per_token=0.0001, decode_base=0.01, per_request=0.002,
+              tpot=0.25, generated=5) -> tuple[list[MeshInstance], Profile]:
+    p = linear_profile(prefill_per_token, decode_base, per_request, 0.0)
+    reqs = tuple(RunningRequest(f"old{k}", start=0.0, prompt_len=64, generated=generated, ttft_slo_s=2.0,
+                                tpot_slo_s=tpot) for k in range(decoding))
+    return [MeshInstance("a", "m1", p, reqs), MeshInstance("b", "m2", p, ())], p
+
+
+def test_a_request_that_fits_is_admitted():
+    node, _ = node_with(4)
+    new = RunningRequest("new", start=1.0, prompt_len=128, ttft_slo_s=2.0)
+    assert shadow_validate(node, node[1], new, now=1.0) .ok
+
+
+def test_case_1_the_new_requests_prefill_would_end_too_late():
+    node, _ = node_with(1, prefill_per_token=0.01)  # 3000 tokens: 30 s of prefill, TTFT SLO 2 s
+    new = RunningRequest("new", start=1.0, prompt_len=3000, ttft_slo_s=2.0)
+    v = shadow_validate(node, node[1], new, now=1.0)
+    assert (v.ok, v.case) == (False, "new_prefill_late")
+
+
+def test_case_2_an_existing_request_would_be_pushed_past_its_deadline():
+    # The old request's next token is due in 0.45 s; the new one joins its instance with a 1 s
+    # prefill, which that instance's next step computes too: the old token comes 1.1 s late.
+    node, _ = node_with(1, prefill_per_token=0.001, generated=1)
+    node[0] = MeshInstance("a", "m1", node[0].profile,
+                           (RunningRequest("old0", start=0.0, prompt_len=64, generated=1, ttft_slo_s=0.2,
+                                           tpot_slo_s=0.25),))
+    new = RunningRequest("new", start=0.0, prompt_len=1000, ttft_slo_s=3.0)
+    v = shadow_validate(node, node[0], new, now=0.0)
+    assert (v.ok, v.case) == (False, "existing_late"), v
+    assert shadow_validate(node, node[0], RunningRequest("new", 0.0, 10, 0, 3.0), now=0.0).ok  # a short one fits
+    assert shadow_validate(node, node[1], new, now=0.0).ok  # on the other instance it waits its turn
+
+
+def test_case_3_the_nodes_decode_iteration_would_exceed_the_tpot_slo():
+    # Every request alone is on time, but one decode round over both instances is 0.11 s + 0.11 s
+    # (with the margin) against a TPOT SLO of 0.2 s.
+    p = Profile((1, 4096), (0.0, 0.0), (1, 2), (1, 4096), ((0.1, 0.1), (0.1, 0.1)))
+    old = RunningRequest("old", start=0.0, prompt_len=8, generated=1, ttft_slo_s=100.0, tpot_slo_s=0.2)
+    node = [MeshInstance("a", "m1", p, (old,)), MeshInstance("b", "m2", p, ())]
+    new = RunningRequest("new", start=0.0, prompt_len=8, ttft_slo_s=100.0, tpot_slo_s=0.2)
+    v = shadow_validate(node, node[1], new, now=0.0)
+    assert (v.ok, v.case) == (False, "node_tpot_exceeded"), v
+    assert shadow_validate(node, node[0], new, now=0.0).ok  # one batch of two: one 0.11 s iteration
+
+
+def test_a_request_late_anyway_does_not_block_a_new_one():
+    node, _ = node_with(1)
+    node[0] = MeshInstance("a", "m1", node[0].profile, (RunningRequest("old0", 0.0, 64, 1, 0.1, 0.25),))
+    new = RunningRequest("new", start=5.0, prompt_len=16, ttft_slo_s=2.0)
+    assert shadow_validate(node, node[1], new, now=5.0).ok
+
+
+def test_a_new_instance_can_be_validated_before_it_exists():
+    node, p = node_with(2)
+    fresh = MeshInstance("c", "m3", p, ())
+    assert shadow_validate(node, fresh, RunningRequest("new", 0.0, 16), now=0.0).ok
+
+
+def test_cpu_first_then_the_largest_batch_and_preemption_only_of_smaller_batches():
+    p = linear_profile()
+    r = [RunningRequest(f"r{k}", 0.0, 8) for k in range(6)]
+    gpu = MeshInstance("g", "m", p, tuple(r[:3]), device="cuda")
+    cpu_small = MeshInstance("c1", "m", p, tuple(r[3:4]))
+    cpu_big = MeshInstance("c2", "m", p, tuple(r[4:6]))
+    assert [i.id for i in candidate_order([gpu, cpu_small, cpu_big])] == ["c2", "c1", "g"]
+    assert [i.id for i in preemption_candidates([gpu, cpu_small, cpu_big], gpu)] == ["c1", "c2"]
+    assert preemption_candidates([gpu, cpu_small, cpu_big], cpu_small) == []
+
+
+def test_the_eviction_victim_has_the_longest_headroom():
+    reqs = [RunningRequest("a", 0.0, 8, 10), RunningRequest("b", 0.0, 8, 2), RunningRequest("c", 1.0, 8, 10)]
+    assert eviction_victim(reqs, 3.0).id == "c"
+    assert eviction_victim([], 0.0) is None
+
+
+# --- elastic KV ------------------------------------------------------------------------------------------
+
+
+def test_kv_require_is_equation_two():
+    # 2 requests: (100 in, 3 out) and (50 in, 80 out), mean output 20: 100+20 + 50+80 = 250 tokens.
+    assert kv_require(1000, [(100, 3), (50, 80)], mean_output=20, min_tokens=200) == 250_000
+    assert kv_require(1000, [(10, 0)], mean_output=20, min_tokens=200) == 200_000  # L_min floor
+
+
+@given(st.integers(0, 10**9), st.integers(1, 10**9), st.floats(0, 1))
+def test_watermarks_scale_up_early_and_down_lazily(current, require, w):
+    new = kv_resize(current, require, w)
+    recommend = math.ceil(require * (1 + w))
+    assert new >= require  # never below what the live requests need
+    if current < require:
+        assert new == recommend  # up at once, with room for more
+    elif current <= recommend * (1 + w):
+        assert new == current  # inside the band: no ping-pong
+    else:
+        assert new == recommend < current
+    assert kv_resize(new, require, w) == new  # a resize is stable
+
+
+def test_the_grant_compromises_to_the_requirement_then_refuses():
+    assert kv_grant(100, 150, 200, available=100) == 200
+    assert kv_grant(100, 150, 200, available=60) == 150
+    assert kv_grant(100, 150, 200, available=40) is None
+    assert kv_grant(300, 150, 200, available=0) == 300  # no growth needed
+
+
+# --- the reservation station --------------------------------------------------------------------------
+
+
+def test_a_scale_up_after_a_scale_down_waits_for_it():
+    s = MemoryState(capacity=100, budget=100, tracked=100)
+    s, ok, started = issue(s, MemOp("down", old=60, new=20))
+    assert ok and [o.id for o in started] == ["down"]
+    s, ok, started = issue(s, MemOp("up", old=0, new=30))
+    assert ok and started == () and [o.id for o in s.waiting] == ["up"]  # 100 + 30 would overrun
+    s, ok, _ = issue(s, MemOp("too-big", old=0, new=20))
+    assert not ok  # the budget (100 - 40 + 30 = 90) cannot take 20 more
+    s, started = complete(s, "down")
+    assert [o.id for o in started] == ["up"] and s.tracked == 90 and s.waiting == ()
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(st.sampled_from(["issue", "complete"]), st.integers(0, 5), st.integers(0, 60)),
+                max_size=60), st.integers(60, 200))
+def test_no_interleaving_of_issued_operations_exceeds_the_memory_cap(actions, capacity):
+    sizes = {k: 0 for k in range(6)}  # what each allocation really holds
+    busy: dict[int, MemOp] = {}
+    state, n = MemoryState(capacity=capacity), 0
+
+    def start(ops):
+        for op in ops:
+            if op.delta > 0:
+                sizes[int(op.id.split(":")[0])] += op.delta  # a growth allocates as it starts
+
+    started_ids: set[str] = set()
+    for kind, k, size in actions:
+        if kind == "issue" and k not in busy:
+            n += 1
+            op = MemOp(f"{k}:{n}", old=sizes[k], new=size)
+            state, ok, started = issue(state, op)
+            if ok:
+                busy[k] = op
+                start(started)
+                started_ids |= {o.id for o in started}
+        elif kind == "complete":
+            running = [o for o in state.running if o.id in started_ids]
+            if running:
+                op = running[k % len(running)]
+                if op.delta < 0:
+                    sizes[int(op.id.split(":")[0])] += op.delta  # a shrink frees only once done
+                state, started = complete(state, op.id)
+                del busy[int(op.id.split(":")[0])]
+                start(started)
+                started_ids |= {o.id for o in started}
+        assert sum(sizes.values()) <= capacity  # never an out-of-memory
+        assert state.tracked <= capacity and state.budget <= capacity
+    while state.running:  # everything issued runs eventually
+        op = state.running[0]
+        if op.delta < 0:
+            sizes[int(op.id.split(":")[0])] += op.delta
+        state, started = complete(state, op.id)
+        start(started)
+        assert sum(sizes.values()) <= capacity
+    assert state.waiting == () and sum(sizes.values()) == state.budget == state.tracked
