@@ -106,6 +106,31 @@ def build_demo(models_dir: Path,
         _fail(str(e))
 
 
+@model_app.command("profile")
+def profile(ckpt_dir: Path, max_len: int = typer.Option(512, help="Longest prompt sampled (powers of two up to it)."),
+            max_batch: int = typer.Option(8, help="Largest batch sampled (powers of two up to it)."),
+            device: str = typer.Option("cpu", help="cpu | cuda"), repeats: int = typer.Option(3),
+            out: Path | None = typer.Option(None, help="Write the profile here as JSON.")) -> None:
+    """Measure a block checkpoint's prefill and decode-iteration times on this device (LLM-Mesh §5.2)."""
+    import dataclasses
+    import json
+
+    from libs.engine import Engine
+    from libs.engine.profiling import measure_profile
+
+    try:
+        with console.status(f"profiling {ckpt_dir} on {device}"):
+            prof = measure_profile(lambda batch, seq: Engine.from_checkpoint(
+                ckpt_dir, device=device, max_batch_size=batch, max_seq_len=seq, kv_cache_bytes=1 << 40),
+                max_len, max_batch, repeats)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    text = json.dumps(dataclasses.asdict(prof))
+    if out:
+        out.write_text(text)
+    print(text)
+
+
 def _admin(gateway_url: str, admin_key: str, method: str, path: str, body: dict | None = None) -> httpx.Response:
     return httpx.request(method, gateway_url.rstrip("/") + path, json=body, timeout=30,
                          headers={"Authorization": f"Bearer {admin_key}"})

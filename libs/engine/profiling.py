@@ -1,0 +1,80 @@
+"""LLM-Mesh §5.2 performance quantification: measure a model's prefill time against prompt
+length and its decode-iteration time against batch size x mean sequence length, on this
+device, with the serving engine itself (the numbers a worker's scheduler will see).
+
+Samples are powers of two (`sample_points`), so a profile up to L_max tokens and B_max requests
+takes O(log L_max * log B_max) measurements. Each is the median of `repeats` timed steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from libs.planning.mesh import Profile, sample_points
+
+from .engine import Engine
+from .sampling import SamplingParams
+
+
+def _prompt(length: int, vocab: int, salt: int) -> list[int]:
+    # Arbitrary in-vocabulary ids; distinct per request so nothing could be shared between rows.
+    return [(7 + 31 * i + 101 * salt) % (vocab - 1) + 1 for i in range(length)]
+
+
+def _drain(engine: Engine) -> None:
+    # The engine's own bookkeeping (same package): every request left, dropped.
+    for rid in list(engine._active) + list(engine._queue):
+        engine.cancel(rid)
+
+
+def measure_profile(make_engine: Callable[[int, int], Engine], max_len: int, max_batch: int,
+                    repeats: int = 3) -> Profile:
+    """A :class:`Profile` measured on engines from `make_engine(max_batch_size, max_seq_len)`.
+
+    Prefill: one request of each sampled length, the step that prefills it timed (the prefill
+    chunk is raised to the length, so one step is one prefill). Decode: for each sampled batch
+    size and mean length, that many requests prefilled, then `repeats` decode steps timed."""
+    lengths, batches = sample_points(max_len), sample_points(max_batch)
+    engine = make_engine(max_batch, max_len + repeats + 2)
+    # One step prefills a whole sampled batch, so no row decodes before the timed steps.
+    engine.prefill_chunk = max(engine.prefill_chunk, max_len)
+    engine.token_budget = max(engine.token_budget, max_len * max_batch + max_batch)
+    greedy = SamplingParams(temperature=0.0, max_tokens=repeats + 2, stop_token_ids=())
+    engine.eos_token_ids = frozenset()  # a random model may emit its EOS: keep every row decoding
+
+    def timed_step() -> float:
+        t0 = time.perf_counter()
+        engine.step()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        return time.perf_counter() - t0
+
+    engine.add_request("warm-up", _prompt(max_len, engine.vocab_size, 0), greedy)
+    while engine.has_work():  # the first passes pay one-time costs (allocation, kernel choice)
+        engine.step()
+
+    prefill = []
+    for n in lengths:
+        times = []
+        for k in range(repeats):
+            engine.add_request(f"p{n}-{k}", _prompt(n, engine.vocab_size, k), greedy)
+            times.append(timed_step())
+            _drain(engine)
+        prefill.append(statistics.median(times))
+
+    decode = []
+    for b in batches:
+        row = []
+        for n in lengths:
+            for k in range(b):
+                engine.add_request(f"d{k}", _prompt(n, engine.vocab_size, k), greedy)
+            while any(r.pending for r in engine._active.values()) or engine._queue:
+                engine.step()  # prefill, untimed
+            row.append(statistics.median(timed_step() for _ in range(repeats)))
+            _drain(engine)
+        decode.append(tuple(row))
+    return Profile(lengths, tuple(prefill), batches, lengths, tuple(decode))
