@@ -7,22 +7,30 @@ import hashlib
 import psycopg
 import pytest
 
-from libs.bus.broker import RemoteError, call
+from libs.bus.broker import RemoteError, call, make_broker, start_broker
 from libs.db.session import make_engine, migrate
 from libs.db.store import RegistryStore
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from test_registry import client, started  # noqa: F401  (the fixture and the helper)
+from test_registry import started
 
 SECRET = "sk-lc-registry-test-secret-0123456789"
 HASH = hashlib.sha256(SECRET.encode()).hexdigest()
+
+
+@pytest.fixture
+async def client(nats_url):
+    broker = make_broker(nats_url)
+    await start_broker(broker)
+    yield broker
+    await broker.stop()
 
 
 def new_key(name: str = "team-a", key_hash: str = HASH, **extra) -> m.CreateApiKey:
     return m.CreateApiKey(name=name, key_hash=key_hash, prefix=SECRET[:10], **extra)
 
 
-async def test_keys_are_created_looked_up_by_hash_and_revoked(database_url, nats_url, client):  # noqa: F811
+async def test_keys_are_created_looked_up_by_hash_and_revoked(database_url, nats_url, client):
     reg = await started(database_url, nats_url)
     try:
         info = await call(client, subjects.REGISTRY_KEY_CREATE,
@@ -55,7 +63,7 @@ async def test_keys_are_created_looked_up_by_hash_and_revoked(database_url, nats
     assert HASH in dump and SECRET not in dump and SECRET[10:] not in dump
 
 
-async def test_usage_adds_up_per_key_and_model(database_url, nats_url, client):  # noqa: F811
+async def test_usage_adds_up_per_key_and_model(database_url, nats_url, client):
     reg = await started(database_url, nats_url)
     try:
         info = await call(client, subjects.REGISTRY_KEY_CREATE, new_key(), m.ApiKeyInfo)
@@ -95,7 +103,7 @@ async def test_usage_upsert_on_sqlite(tmp_path):
 
 
 async def test_malformed_key_and_usage_messages_are_refused_and_the_registry_goes_on(database_url, nats_url,
-                                                                                   client):  # noqa: F811
+                                                                                   client):
     reg = await started(database_url, nats_url)
     try:
         bad = {
