@@ -120,7 +120,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         service.spawn(service.every(service.config.usage_flush_s, tenants.flush, "recording usage"))
         yield
         try:
-            await tenants.flush()  # the last second's usage
+            await tenants.flush(timeout=2.0)  # the last second's usage
         except Exception as e:
             log.warning("usage not recorded at shutdown: %s", e)
         await service.stop()

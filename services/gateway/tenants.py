@@ -31,10 +31,10 @@ log = logging.getLogger(__name__)
 SECRET_PREFIX = "sk-lc-"  # every registry key starts so; other tokens are refused without a lookup
 MAX_CACHED = 10_000  # cached lookups (unknown keys too, so guessing costs the registry nothing)
 
-USAGE_TOKENS = Counter("layercast_usage_tokens_total", "Tokens used per API key (its name) and model",
+USAGE_TOKENS = Counter("layercast_gateway_usage_tokens_total", "Tokens used per API key (its name) and model",
                        ["key", "model", "kind"])
-USAGE_REQUESTS = Counter("layercast_usage_requests_total", "Generation requests per API key (its name) and model",
-                         ["key", "model"])
+USAGE_REQUESTS = Counter("layercast_gateway_usage_requests_total",
+                         "Generation requests per API key (its name) and model", ["key", "model"])
 RATE_LIMITED = Counter("layercast_gateway_rate_limited_total", "Requests refused by a key's rate limit",
                        ["key", "limit"])
 
@@ -189,7 +189,7 @@ class Tenants:
         counts[1] += prompt_tokens
         counts[2] += completion_tokens
 
-    async def flush(self) -> None:
+    async def flush(self, timeout: float = 5.0) -> None:
         """Send the usage counted since the last flush to the registry (kept for the next one if
         it fails: counted at least once)."""
         if not self._pending:
@@ -198,7 +198,8 @@ class Tenants:
         entries = [m.UsageEntry(key_id=key_id, model=model, requests=r, prompt_tokens=p, completion_tokens=c)
                    for (key_id, model), (r, p, c) in batch.items()]
         try:
-            await call(self.broker, subjects.REGISTRY_USAGE_RECORD, m.RecordUsage(entries=entries), m.UsageRecorded)
+            await call(self.broker, subjects.REGISTRY_USAGE_RECORD, m.RecordUsage(entries=entries), m.UsageRecorded,
+                       timeout=timeout)
         except BaseException:
             for k, counts in batch.items():
                 self._pending[k] = [a + b for a, b in zip(self._pending[k], counts)]

@@ -77,7 +77,8 @@ async def test_usage_adds_up_per_key_and_model(database_url, nats_url, client):
         await call(client, subjects.REGISTRY_USAGE_RECORD, batch(m.STATIC_KEY_ID, "b", 5), m.UsageRecorded)
         report = await call(client, subjects.REGISTRY_USAGE_GET, m.GetUsage(), m.UsageReport)
         assert [(u.key_id, u.key_name, u.model, u.requests, u.prompt_tokens, u.completion_tokens)
-                for u in report.usage] == [(info.key_id, "team-a", "a", 10, 55, 110), ("static", "static", "b", 1, 5, 10)]
+                for u in report.usage] == [(info.key_id, "team-a", "a", 10, 55, 110),
+                                           ("static", "static", "b", 1, 5, 10)]
         for key in (info.key_id, "team-a"):  # by id or by name
             by_key = await call(client, subjects.REGISTRY_USAGE_GET, m.GetUsage(key=key), m.UsageReport)
             assert [u.model for u in by_key.usage] == ["a"]
