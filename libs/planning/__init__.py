@@ -16,6 +16,8 @@ Modules (each cites the paper sections it implements):
 - ``pool`` — the parameter pool (BlitzScale §5.3): which workers get which blocks back.
 - ``placement`` — target and victim selection (locality first).
 - ``block_sources`` — where a worker takes each block from: host tier, a transfer, disk.
+- ``ratelimit`` — per-API-key requests and tokens per minute: ``admit`` / ``settle`` over a
+  sliding 60 s window (the gateway's 429s and x-ratelimit-* headers).
 
 No I/O, no global state; everything is deterministic.
 """
