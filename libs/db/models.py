@@ -108,3 +108,33 @@ class ScaleOperation(Base):
     error: Mapped[str | None] = mapped_column(String(2048), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ApiKey(Base):
+    """An API key: its SHA-256 only, never the secret (the gateway shows that once, at creation)."""
+
+    __tablename__ = "api_keys"
+
+    key_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), index=True)
+    prefix: Mapped[str] = mapped_column(String(16))  # the secret's first characters, for display
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the secret
+    models: Mapped[list | None] = mapped_column(Json, nullable=True)  # None: every model
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)  # None: unlimited
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class KeyUsage(Base):
+    """Running totals per key and model. No foreign key: the gateway's static keys (key_id
+    "static") are accounted here too, and a revoked key's usage stays."""
+
+    __tablename__ = "key_usage"
+
+    key_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -6,11 +6,12 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, or_, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from libs.db.session import make_sessionmaker, write_sessionmaker
-from libs.db.models import BlockReplica, Instance, Model, ModelBlock, ScaleOperation, Worker
+from libs.db.models import ApiKey, BlockReplica, Instance, KeyUsage, Model, ModelBlock, ScaleOperation, Worker
 from libs.protocol import messages as m
 
 
@@ -91,8 +92,15 @@ def _scale_op_info(row: ScaleOperation) -> m.ScaleOpInfo:
     )
 
 
+def _key_info(row: ApiKey) -> m.ApiKeyInfo:
+    return m.ApiKeyInfo(key_id=row.key_id, name=row.name, prefix=row.prefix, models=row.models,
+                        requests_per_minute=row.requests_per_minute, tokens_per_minute=row.tokens_per_minute,
+                        created_at=to_ts(row.created_at), revoked_at=to_ts(row.revoked_at))
+
+
 class RegistryStore:
     def __init__(self, engine: AsyncEngine, on_change: Callable[[], None] | None = None):
+        self._insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
         self.sessions = make_sessionmaker(engine)  # reads
         self.writes = write_sessionmaker(engine)
         # Committed changes to what cluster_view shows (workers, models, replicas, instances),
@@ -345,6 +353,74 @@ class RegistryStore:
                                  replicas=await _replicas(s), instances=await _instances(s),
                                  scale_ops=await _recent_scale_ops(s, recent_scale_ops),
                                  epoch=self.epoch, changes=changes)
+
+
+    # --- API keys and usage ---------------------------------------------------------------------------
+
+    async def create_key(self, req: m.CreateApiKey) -> m.ApiKeyInfo:
+        """A new key; a name another live key has is a ValueError (keys are told apart by name
+        in usage reports and metrics)."""
+        async with self.writes.begin() as s:
+            taken = await s.scalar(select(ApiKey.key_id).where(ApiKey.name == req.name, ApiKey.revoked_at.is_(None)))
+            if taken is not None or req.name == m.STATIC_KEY_ID:
+                raise ValueError(f"an API key named {req.name!r} exists already")
+            row = ApiKey(key_id=f"key-{uuid.uuid4().hex[:16]}", name=req.name, prefix=req.prefix,
+                         key_hash=req.key_hash, models=req.models, requests_per_minute=req.requests_per_minute,
+                         tokens_per_minute=req.tokens_per_minute, created_at=to_dt(time.time()))
+            s.add(row)
+            await s.flush()
+            return _key_info(row)
+
+    async def list_keys(self, include_revoked: bool = False) -> list[m.ApiKeyInfo]:
+        q = select(ApiKey).order_by(ApiKey.created_at)
+        if not include_revoked:
+            q = q.where(ApiKey.revoked_at.is_(None))
+        async with self.sessions() as s:
+            return [_key_info(r) for r in (await s.scalars(q)).all()]
+
+    async def revoke_key(self, key_id: str) -> m.ApiKeyInfo | None:
+        """Revoke a live key; None if there is none by that id."""
+        async with self.writes.begin() as s:
+            row = await s.get(ApiKey, key_id, with_for_update=True)
+            if row is None or row.revoked_at is not None:
+                return None
+            row.revoked_at = to_dt(time.time())
+            return _key_info(row)
+
+    async def lookup_key(self, key_hash: str) -> m.ApiKeyInfo | None:
+        """The live key with this hash, if any."""
+        async with self.sessions() as s:
+            row = await s.scalar(select(ApiKey).where(ApiKey.key_hash == key_hash, ApiKey.revoked_at.is_(None)))
+            return None if row is None else _key_info(row)
+
+    async def record_usage(self, entries: list[m.UsageEntry]) -> None:
+        """Add each entry's counts to its (key, model) totals, in one transaction. An upsert that
+        adds in the database: gateways record concurrently and none of their counts is lost."""
+        now = to_dt(time.time())
+        async with self.writes.begin() as s:
+            for e in entries:
+                ins = self._insert(KeyUsage).values(key_id=e.key_id, model=e.model, requests=e.requests,
+                                                    prompt_tokens=e.prompt_tokens,
+                                                    completion_tokens=e.completion_tokens, updated_at=now)
+                await s.execute(ins.on_conflict_do_update(
+                    index_elements=[KeyUsage.key_id, KeyUsage.model],
+                    set_={"requests": KeyUsage.requests + ins.excluded.requests,
+                          "prompt_tokens": KeyUsage.prompt_tokens + ins.excluded.prompt_tokens,
+                          "completion_tokens": KeyUsage.completion_tokens + ins.excluded.completion_tokens,
+                          "updated_at": ins.excluded.updated_at}))
+
+    async def usage(self, key: str | None = None, model: str | None = None) -> list[m.UsageEntry]:
+        """Totals per key and model; `key` is a key id or a key name (every key of that name)."""
+        q = (select(KeyUsage, ApiKey.name).outerjoin(ApiKey, ApiKey.key_id == KeyUsage.key_id)
+             .order_by(KeyUsage.key_id, KeyUsage.model))
+        if key is not None:
+            q = q.where(or_(KeyUsage.key_id == key, ApiKey.name == key))
+        if model is not None:
+            q = q.where(KeyUsage.model == model)
+        async with self.sessions() as s:
+            return [m.UsageEntry(key_id=u.key_id, key_name=name or u.key_id, model=u.model, requests=u.requests,
+                                 prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens)
+                    for u, name in (await s.execute(q)).all()]
 
 
 # --- reads shared by the list methods and cluster_view (one session each call) ---------------

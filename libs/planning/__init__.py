@@ -18,6 +18,8 @@ Modules (each cites the paper sections it implements):
 - ``block_sources`` — where a worker takes each block from: host tier, a transfer, disk.
 - ``mesh`` — LLM-Mesh (many models on shared workers): profiles, headroom order, shadow
   validation, KV watermarks, the memory reservation station, defragmentation order.
+- ``ratelimit`` — per-API-key requests and tokens per minute: ``admit`` / ``settle`` over a
+  sliding 60 s window (the gateway's 429s and x-ratelimit-* headers).
 
 No I/O, no global state; everything is deterministic.
 """

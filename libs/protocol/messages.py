@@ -275,6 +275,83 @@ class ClusterChanged(Message):
     changes: int = Field(ge=0)
 
 
+# --- API keys and usage (tenants) ------------------------------------------------------------
+
+# The gateway's keys from its environment (LAYERCAST_API_KEYS): every model, no limits; their
+# usage is accounted under this key id and name.
+STATIC_KEY_ID = "static"
+KeyName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@\-]+$")]
+
+
+class CreateApiKey(Message):
+    """Gateway -> registry. The gateway makes the secret and sends only its SHA-256: the secret
+    is shown to the admin once and stored nowhere."""
+
+    name: KeyName
+    key_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+    prefix: str = Field(max_length=16)  # the secret's first characters, to tell keys apart
+    models: list[str] | None = None  # None: every model
+    requests_per_minute: int | None = Field(default=None, ge=1)  # None: unlimited
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+
+
+class ApiKeyInfo(Message):
+    """A key as the registry holds it: never the secret, and only the gateway sees its hash."""
+
+    key_id: str
+    name: str
+    prefix: str
+    models: list[str] | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    created_at: float
+    revoked_at: float | None = None
+
+
+class ListApiKeys(Message):
+    include_revoked: bool = False
+
+
+class ApiKeyList(Message):
+    keys: list[ApiKeyInfo]
+
+
+class ApiKeyRef(Message):
+    key_id: str = Field(min_length=1, max_length=64)
+
+
+class LookupApiKey(Message):
+    key_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class UsageEntry(BaseModel):
+    """Tokens used by one key on one model: a batch's increments, or a running total."""
+
+    key_id: str = Field(min_length=1, max_length=64)  # "static" for the gateway's static keys
+    model: str = Field(min_length=1, max_length=128)
+    requests: int = Field(default=0, ge=0)
+    prompt_tokens: int = Field(default=0, ge=0)
+    completion_tokens: int = Field(default=0, ge=0)
+    key_name: str = ""  # in reports
+
+
+class RecordUsage(Message):
+    entries: list[UsageEntry] = Field(max_length=10_000)
+
+
+class UsageRecorded(Message):
+    entries: int = Field(ge=0)
+
+
+class GetUsage(Message):
+    key: str | None = None  # a key id or name; None: every key
+    model: str | None = None
+
+
+class UsageReport(Message):
+    usage: list[UsageEntry]
+
+
 # --- worker commands --------------------------------------------------------------------------
 
 

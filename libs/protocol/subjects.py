@@ -41,6 +41,18 @@ REGISTRY_CLUSTER = f"{PREFIX}.registry.cluster"
 REGISTRY_INSTANCE_CREATE = f"{PREFIX}.registry.instance.create"
 # RPC RecordScaleOp -> ScaleOpInfo (planner records / updates a scale operation)
 REGISTRY_SCALEOP_RECORD = f"{PREFIX}.registry.scaleop.record"
+# RPC CreateApiKey -> ApiKeyInfo (the secret's hash only; "conflict" for a name in use)
+REGISTRY_KEY_CREATE = f"{PREFIX}.registry.key.create"
+# RPC ListApiKeys -> ApiKeyList
+REGISTRY_KEY_LIST = f"{PREFIX}.registry.key.list"
+# RPC ApiKeyRef -> ApiKeyInfo (revoked_at set; "not_found" for an unknown or revoked key)
+REGISTRY_KEY_REVOKE = f"{PREFIX}.registry.key.revoke"
+# RPC LookupApiKey -> ApiKeyInfo (gateway, on a key it has not cached; "not_found": unknown or revoked)
+REGISTRY_KEY_LOOKUP = f"{PREFIX}.registry.key.lookup"
+# RPC RecordUsage -> UsageRecorded (gateway, batched about every second: increments per key and model)
+REGISTRY_USAGE_RECORD = f"{PREFIX}.registry.usage.record"
+# RPC GetUsage -> UsageReport (totals per key and model)
+REGISTRY_USAGE_GET = f"{PREFIX}.registry.usage.get"
 
 # --- events -----------------------------------------------------------------
 # EVENT Heartbeat (worker -> registry; also upserts the worker's registration)
@@ -68,7 +80,8 @@ SCALE_REQUEST = f"{PREFIX}.scale.request"
 
 # Periodic traffic: a message on one of these that starts a trace is not traced (it would
 # bury the request and scale-operation traces); inside a traced operation it still is.
-QUIET_SUBJECTS = (EVENT_HEARTBEAT, METRICS_GATEWAY, METRICS_WORKER, REGISTRY_CLUSTER, REGISTRY_MODEL_LIST)
+QUIET_SUBJECTS = (EVENT_HEARTBEAT, METRICS_GATEWAY, METRICS_WORKER, REGISTRY_CLUSTER, REGISTRY_MODEL_LIST,
+                  REGISTRY_USAGE_RECORD)
 
 
 # --- per worker ---------------------------------------------------------------

@@ -19,6 +19,8 @@ from libs.cluster.launcher import ClusterError, ClusterSpec, ClusterState, clust
 app = typer.Typer(help="layercast: serverless LLM inference by block multicast.", no_args_is_help=True)
 model_app = typer.Typer(help="Create, convert and deploy models.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+keys_app = typer.Typer(help="API keys: create, list, revoke (admin API).", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
 console = Console()
 
 
@@ -152,6 +154,36 @@ def deploy_model(state: ClusterState | tuple[str, str], name: str, path: Path, m
     return r.json()
 
 
+GatewayUrl = typer.Option(None, envvar="LAYERCAST_GATEWAY_URL",
+                          help="A gateway to talk to (default: the local cluster's).")
+AdminKey = typer.Option(None, envvar="LAYERCAST_ADMIN_KEY", help="With --gateway-url.")
+
+
+def _target(state_dir: Path, gateway_url: str | None, admin_key: str | None) -> tuple[str, str]:
+    """The gateway's URL and admin key: given, or the local cluster's."""
+    if gateway_url:
+        if not admin_key:
+            _fail("--gateway-url needs --admin-key (or LAYERCAST_ADMIN_KEY)")
+        return gateway_url, admin_key
+    state = ClusterState.load(state_dir)
+    return state.gateway_url, state.admin_key
+
+
+def _admin_call(state_dir: Path, gateway_url: str | None, admin_key: str | None, method: str, path: str,
+                body: dict | None = None, params: dict | None = None) -> dict:
+    """One admin API call; an error answer is printed and exits 1."""
+    try:
+        url, key = _target(state_dir, gateway_url, admin_key)
+        r = httpx.request(method, url.rstrip("/") + path, json=body, params=params, timeout=30,
+                          headers={"Authorization": f"Bearer {key}"})
+    except (ClusterError, httpx.HTTPError) as e:
+        _fail(str(e))
+    if r.status_code >= 400:
+        _fail(r.json().get("error", {}).get("message", r.text) if r.headers.get("content-type", "").startswith(
+            "application/json") else r.text)
+    return r.json()
+
+
 def _policy_params(pairs: list[str]) -> dict[str, float]:
     # The gateway checks the names and values against the policy; here only the KEY=NUMBER shape.
     params: dict[str, float] = {}
@@ -168,10 +200,7 @@ def _policy_params(pairs: list[str]) -> dict[str, float]:
 
 @model_app.command("deploy")
 def deploy(name: str, path: Path, min_instances: int = 0, max_instances: int = 4, keep_alive: float = 60.0,
-           state_dir: Path = StateDir,
-           gateway_url: str = typer.Option(None, envvar="LAYERCAST_GATEWAY_URL",
-                                           help="A gateway to deploy on (default: the local cluster's)."),
-           admin_key: str = typer.Option(None, envvar="LAYERCAST_ADMIN_KEY", help="With --gateway-url."),
+           state_dir: Path = StateDir, gateway_url: str = GatewayUrl, admin_key: str = AdminKey,
            scaling_mode: str = typer.Option("layercast", help="layercast | chain | binomial | faasnet | "
                                                                  "serverlessllm | static | ideal"),
            policy: str = typer.Option("concurrency", "--policy",
@@ -181,17 +210,65 @@ def deploy(name: str, path: Path, min_instances: int = 0, max_instances: int = 4
     """Deploy a converted checkpoint on a running cluster (admin API). PATH is as the workers see it."""
     params = _policy_params(policy_param)
     try:
-        if gateway_url:
-            if not admin_key:
-                _fail("--gateway-url needs --admin-key (or LAYERCAST_ADMIN_KEY)")
-            target = (gateway_url, admin_key)
-        else:
-            target = ClusterState.load(state_dir)
-        info = deploy_model(target, name, path, min_instances, max_instances, keep_alive, scaling_mode, policy,
-                            params)
+        info = deploy_model(_target(state_dir, gateway_url, admin_key), name, path, min_instances, max_instances,
+                            keep_alive, scaling_mode, policy, params)
     except (ClusterError, httpx.HTTPError) as e:
         _fail(str(e))
     console.print(f"deployed {info['name']} ({len(info['blocks'])} blocks) from {info['path']}")
+
+
+@keys_app.command("create")
+def keys_create(name: str,
+                model: list[str] = typer.Option([], "--model", help="A model the key may use (repeatable; "
+                                                "none: every model)."),
+                rpm: int = typer.Option(None, "--rpm", min=1, help="Requests per minute (default: unlimited)."),
+                tpm: int = typer.Option(None, "--tpm", min=1, help="Tokens per minute, prompt + max_tokens "
+                                        "(default: unlimited)."),
+                state_dir: Path = StateDir, gateway_url: str = GatewayUrl, admin_key: str = AdminKey) -> None:
+    """Create an API key; its secret is shown once, here."""
+    info = _admin_call(state_dir, gateway_url, admin_key, "POST", "/admin/v1/keys",
+                       {"name": name, "models": model or None, "requests_per_minute": rpm, "tokens_per_minute": tpm})
+    console.print(f"created API key {info['key_id']} ({info['name']}); its secret, shown only now:")
+    print(info["key"])
+
+
+@keys_app.command("list")
+def keys_list(include_revoked: bool = typer.Option(False, "--all", help="Revoked keys too."),
+              state_dir: Path = StateDir, gateway_url: str = GatewayUrl, admin_key: str = AdminKey) -> None:
+    """List API keys (never their secrets)."""
+    keys = _admin_call(state_dir, gateway_url, admin_key, "GET", "/admin/v1/keys",
+                       params={"include_revoked": include_revoked})["data"]
+    table = Table("id", "name", "prefix", "models", "rpm", "tpm", "revoked")
+
+    def limit(v: int | None) -> str:
+        return "-" if v is None else str(v)
+    for k in keys:
+        table.add_row(k["key_id"], k["name"], k["prefix"] + "...", ",".join(k["models"]) if k["models"] else "all",
+                      limit(k["requests_per_minute"]), limit(k["tokens_per_minute"]),
+                      "yes" if k["revoked_at"] else "")
+    console.print(table)
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str, state_dir: Path = StateDir, gateway_url: str = GatewayUrl,
+                admin_key: str = AdminKey) -> None:
+    """Revoke an API key (refused everywhere within the gateways' key cache time, 5 s)."""
+    info = _admin_call(state_dir, gateway_url, admin_key, "DELETE", f"/admin/v1/keys/{key_id}")
+    console.print(f"revoked API key {info['key_id']} ({info['name']})")
+
+
+@app.command("usage")
+def usage(key: str = typer.Option(None, "--key", help="A key id or name."),
+          model: str = typer.Option(None, "--model"),
+          state_dir: Path = StateDir, gateway_url: str = GatewayUrl, admin_key: str = AdminKey) -> None:
+    """Requests and tokens used per API key and model."""
+    rows = _admin_call(state_dir, gateway_url, admin_key, "GET", "/admin/v1/usage",
+                       params={k: v for k, v in (("key", key), ("model", model)) if v})["data"]
+    table = Table("key", "name", "model", "requests", "prompt tokens", "completion tokens")
+    for u in rows:
+        table.add_row(u["key_id"], u["key_name"], u["model"], str(u["requests"]), str(u["prompt_tokens"]),
+                      str(u["completion_tokens"]))
+    console.print(table)
 
 
 def _demo_checkpoint(state_dir: Path, preset: str, blocks: int) -> Path:

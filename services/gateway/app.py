@@ -3,6 +3,7 @@
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -20,7 +21,7 @@ from libs.checkpoint import CheckpointIndex, is_block_checkpoint
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.bus.broker import RemoteError, call
-from services.gateway.errors import APIError
+from services.gateway.errors import APIError, invalid_key, missing_key
 from services.gateway.logprobs import CompletionLogprobs, chat_content
 from services.gateway.schemas import (
     ChatCompletionRequest,
@@ -28,9 +29,13 @@ from services.gateway.schemas import (
     CompletionRequest,
     DeployRequest,
     DetokenizeRequest,
+    KeyRequest,
     TokenizeRequest,
 )
 from services.gateway.service import INLINE_TOKENIZE_BYTES, GatewayService, Generation, ModelEntry, Piece
+from services.gateway.tenants import Caller, Tenants, Ticket, new_secret
+
+log = logging.getLogger(__name__)
 
 REQUESTS = Counter("layercast_gateway_requests_total", "HTTP requests", ["endpoint", "status"])
 
@@ -44,9 +49,9 @@ def _bearer(request: Request) -> str | None:
 def _check_key(request: Request, keys: list[str], what: str) -> None:
     token = _bearer(request)
     if token is None:
-        raise APIError(401, f"Missing {what} key: send 'Authorization: Bearer <key>'", code="missing_api_key")
+        raise missing_key(what)
     if not any(secrets.compare_digest(token, k) for k in keys):
-        raise APIError(401, f"Incorrect {what} key provided", code="invalid_api_key")
+        raise invalid_key(what)
 
 
 def utf8_len(text: str) -> int:
@@ -106,17 +111,29 @@ def _param(loc: tuple) -> str:
 
 
 def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[str]) -> FastAPI:
+    """`api_keys`: the static keys (every model, no limits); other keys are registry records."""
+    tenants = Tenants(service.broker, api_keys, service.config.key_cache_s)
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         await service.start()
+        service.spawn(service.every(service.config.usage_flush_s, tenants.flush, "recording usage"))
         yield
+        try:
+            await tenants.flush(timeout=2.0)  # the last second's usage
+        except Exception as e:
+            log.warning("usage not recorded at shutdown: %s", e)
         await service.stop()
 
     app = FastAPI(title="layercast gateway", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=service.config.max_body_bytes)
 
-    def api_key(request: Request) -> None:
-        _check_key(request, api_keys, "API")
+    async def api_key(request: Request) -> Caller:
+        return await tenants.authenticate(_bearer(request))
+
+    def model_entry(caller: Caller, name: str) -> ModelEntry:
+        # A model the key may not use is refused exactly as one that does not exist.
+        return service.entry(name, visible=caller.allows(name))
 
     def admin_key(request: Request) -> None:
         _check_key(request, admin_keys, "admin")
@@ -166,15 +183,15 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     # --- OpenAI API ----------------------------------------------------------------------------------
-    @app.get("/v1/models", dependencies=[Depends(api_key)])
-    async def list_models() -> dict:
+    @app.get("/v1/models")
+    async def list_models(caller: Caller = Depends(api_key)) -> dict:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": int(e.info.created_at), "owned_by": "layercast"}
-            for name, e in sorted(service.models.items())]}
+            for name, e in sorted(service.models.items()) if caller.allows(name)]}
 
-    @app.get("/v1/models/{name:path}", dependencies=[Depends(api_key)])
-    async def get_model(name: str) -> dict:
-        e = service.entry(name)
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str, caller: Caller = Depends(api_key)) -> dict:
+        e = model_entry(caller, name)
         return {"id": name, "object": "model", "created": int(e.info.created_at), "owned_by": "layercast"}
 
     async def _tokenize_chat(entry: ModelEntry, messages: list[ChatMessage], add_generation_prompt: bool,
@@ -194,16 +211,27 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logprobs=logprobs)
 
-    @app.post("/v1/completions", dependencies=[Depends(api_key)])
-    async def completions(body: CompletionRequest) -> Response:
-        entry = service.entry(body.model)
+    async def generate(caller: Caller, entry: ModelEntry, prompt_ids: list[int], spec: m.SamplingSpec,
+                       stops: list[str]) -> tuple[Generation, Ticket]:
+        """Admit by the key's rate limits (counting the prompt and max_tokens, as the OpenAI API
+        does; settled with the real usage at the end), then dispatch."""
+        ticket = tenants.admit(caller, entry.info.name, len(prompt_ids) + spec.max_tokens)
+        try:
+            return await service.start_generation(entry, prompt_ids, spec, stops), ticket
+        except BaseException:
+            ticket.finish(accounted=False)  # nothing generated
+            raise
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, caller: Caller = Depends(api_key)) -> Response:
+        entry = model_entry(caller, body.model)
         if isinstance(body.prompt, str):
             prompt_ids = await service.tokenize(entry, utf8_len(body.prompt), "prompt",
                                                lambda: entry.tokenizer(body.prompt).input_ids)
         else:
             prompt_ids = _check_ids(entry, body.prompt, "prompt")
         spec = sampling(entry, body, len(prompt_ids), body.max_tokens, "max_tokens", body.logprobs)
-        gen = await service.start_generation(entry, prompt_ids, spec, body.stop)
+        gen, ticket = await generate(caller, entry, prompt_ids, spec, body.stop)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prefix = ""
         if body.echo:  # the prompt as given, or the text of its ids
@@ -225,19 +253,19 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
                     yield chunk(p.text, p.finish_reason, [p])
                 if body.stream_options and body.stream_options.include_usage:
                     yield {**chunk("", None), "choices": [], "usage": _usage(gen)}
-            return _sse(gen, events())
-        text, finish, pieces = await _collect(gen)
-        return JSONResponse({**chunk(prefix + text, finish, pieces), "usage": _usage(gen)})
+            return _sse(gen, ticket, events())
+        text, finish, pieces = await _collect(gen, ticket)
+        return JSONResponse({**chunk(prefix + text, finish, pieces), "usage": _usage(gen)}, headers=ticket.headers)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(api_key)])
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
-        entry = service.entry(body.model)
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, caller: Caller = Depends(api_key)) -> Response:
+        entry = model_entry(caller, body.model)
         prompt_ids = await _tokenize_chat(entry, body.messages, add_generation_prompt=True)
         requested = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         spec = sampling(entry, body, len(prompt_ids), requested, param,
                         (body.top_logprobs or 0) if body.logprobs else None)
-        gen = await service.start_generation(entry, prompt_ids, spec, body.stop)
+        gen, ticket = await generate(caller, entry, prompt_ids, spec, body.stop)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs(pieces: list) -> dict | None:
@@ -256,19 +284,19 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
                     yield chunk({"content": p.text} if p.text else {}, p.finish_reason, [p])
                 if body.stream_options and body.stream_options.include_usage:
                     yield {**chunk({}, None), "choices": [], "usage": _usage(gen)}
-            return _sse(gen, events())
-        text, finish, pieces = await _collect(gen)
+            return _sse(gen, ticket, events())
+        text, finish, pieces = await _collect(gen, ticket)
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": body.model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": logprobs(pieces), "finish_reason": finish}],
-            "usage": _usage(gen)})
+            "usage": _usage(gen)}, headers=ticket.headers)
 
     # --- tokenizer API, as vLLM offers it -------------------------------------------------------------
-    @app.post("/tokenize", dependencies=[Depends(api_key)])
-    async def tokenize(body: TokenizeRequest) -> dict:
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, caller: Caller = Depends(api_key)) -> dict:
         """The token ids a completion or chat request with this prompt or these messages is given."""
-        entry = service.entry(body.model)
+        entry = model_entry(caller, body.model)
         if body.prompt is not None:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await service.tokenize(entry, utf8_len(body.prompt), "prompt",
@@ -278,9 +306,9 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
                                        add_special_tokens=bool(body.add_special_tokens))
         return {"count": len(ids), "max_model_len": entry.context_len, "tokens": ids}
 
-    @app.post("/detokenize", dependencies=[Depends(api_key)])
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        entry = service.entry(body.model)
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, caller: Caller = Depends(api_key)) -> dict:
+        entry = model_entry(caller, body.model)
         ids = _check_ids(entry, body.tokens, "tokens")
         # Special tokens kept, as vLLM does: the text of exactly these ids.
         text = await service.off_loop(lambda: entry.tokenizer.decode(ids), small=len(ids) <= INLINE_TOKENIZE_BYTES // 4)
@@ -335,12 +363,42 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         view = await _registry(subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
         return view.model_dump(mode="json")
 
-    async def _registry(subject: str, req, reply_model):
+    # --- admin API: API keys and usage -------------------------------------------------------------------
+    @app.post("/admin/v1/keys", dependencies=[Depends(admin_key)], status_code=201)
+    async def create_key(body: KeyRequest) -> JSONResponse:
+        secret, key_hash = new_secret()  # the registry gets the hash: the secret is shown here, once
+        info = await _registry(subjects.REGISTRY_KEY_CREATE, m.CreateApiKey(
+            name=body.name, key_hash=key_hash, prefix=secret[:10], models=body.models,
+            requests_per_minute=body.requests_per_minute, tokens_per_minute=body.tokens_per_minute), m.ApiKeyInfo)
+        return JSONResponse({**info.model_dump(mode="json"), "key": secret}, status_code=201)
+
+    @app.get("/admin/v1/keys", dependencies=[Depends(admin_key)])
+    async def list_keys(include_revoked: bool = False) -> dict:
+        keys = await _registry(subjects.REGISTRY_KEY_LIST, m.ListApiKeys(include_revoked=include_revoked),
+                               m.ApiKeyList)
+        return {"object": "list", "data": [k.model_dump(mode="json") for k in keys.keys]}
+
+    @app.delete("/admin/v1/keys/{key_id}", dependencies=[Depends(admin_key)])
+    async def revoke_key(key_id: str) -> dict:
+        info = await _registry(subjects.REGISTRY_KEY_REVOKE, m.ApiKeyRef(key_id=key_id), m.ApiKeyInfo,
+                               param="key_id")
+        tenants.forget(key_id)  # refused here at once; other gateways within their cache time
+        return {**info.model_dump(mode="json"), "revoked": True}
+
+    @app.get("/admin/v1/usage", dependencies=[Depends(admin_key)])
+    async def usage(key: str | None = None, model: str | None = None) -> dict:
+        await tenants.flush()  # this gateway's latest counts too
+        report = await _registry(subjects.REGISTRY_USAGE_GET, m.GetUsage(key=key, model=model), m.UsageReport)
+        return {"object": "list", "data": [{**u.model_dump(mode="json"),
+                                            "total_tokens": u.prompt_tokens + u.completion_tokens}
+                                           for u in report.usage]}
+
+    async def _registry(subject: str, req, reply_model, param: str = "name"):
         try:
             return await call(service.broker, subject, req, reply_model)
         except RemoteError as e:
             status = {"not_found": 404, "conflict": 409, "invalid": 400}.get(e.code, 503)
-            param = "name" if status in (404, 409) else None
+            param = param if status in (404, 409) else None
             raise APIError(status, e.error, param=param) from e
         except TimeoutError as e:
             raise APIError(503, "the registry is not answering; retry later", retry_after=2) from e
@@ -371,18 +429,24 @@ def _usage(gen: Generation) -> dict:
             "total_tokens": gen.prompt_len + gen.completion_tokens}
 
 
-async def _collect(gen: Generation) -> tuple[str, str | None, list[Piece]]:
+async def _close(gen: Generation, ticket: Ticket) -> None:
+    """The request ended (answered, failed, or its client went away): what it generated is usage."""
+    await gen.close()
+    ticket.finish(gen.prompt_len, gen.completion_tokens)
+
+
+async def _collect(gen: Generation, ticket: Ticket) -> tuple[str, str | None, list[Piece]]:
     pieces, finish = [], None
     try:
         async for p in gen:
             pieces.append(p)
             finish = p.finish_reason or finish
     finally:
-        await gen.close()
+        await _close(gen, ticket)
     return "".join(p.text for p in pieces), finish, pieces
 
 
-def _sse(gen: Generation, events: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(gen: Generation, ticket: Ticket, events: AsyncIterator[dict]) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
         try:
             async for ev in events:
@@ -391,9 +455,9 @@ def _sse(gen: Generation, events: AsyncIterator[dict]) -> StreamingResponse:
         except APIError as e:  # headers are gone: report in-band, as OpenAI does
             yield f"data: {json.dumps(e.body())}\n\n".encode()
         finally:
-            await gen.close()
+            await _close(gen, ticket)
 
     # x-layercast-instance: where the request was sent (a local instance or an execution pipeline).
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                      "x-layercast-instance": gen.route.instance_id})
+                                      "x-layercast-instance": gen.route.instance_id, **ticket.headers})

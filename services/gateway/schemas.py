@@ -169,3 +169,12 @@ class DeployRequest(_Body):
             check_policy(info.data["policy"], v, min_instances=info.data["min_instances"],
                          max_instances=info.data["max_instances"], keep_alive_s=info.data["keep_alive_s"])
         return v
+
+
+class KeyRequest(_Body):
+    """A new API key: the models it may use (none given: every model) and its limits (none: unlimited)."""
+
+    name: m.KeyName
+    models: list[str] | None = Field(default=None, min_length=1)
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)

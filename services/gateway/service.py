@@ -80,6 +80,8 @@ class GatewayConfig:
     tokenizer_threads: int = field(default_factory=lambda: max(1, (os.cpu_count() or 2) // 2))
     metrics_interval_s: float = 0.5
     resync_interval_s: float = 5.0
+    key_cache_s: float = 5.0  # how long a registry key's lookup is trusted (a revocation's delay)
+    usage_flush_s: float = 1.0  # usage is recorded in the registry this often
 
 
 MAX_HANDOVERS = 2  # per request: a request that loses three instances fails
@@ -365,9 +367,10 @@ class GatewayService(Service):
                 self.drop_model(ev.model.name)
 
     # --- requests ----------------------------------------------------------------------------------
-    def entry(self, name: str) -> ModelEntry:
+    def entry(self, name: str, visible: bool = True) -> ModelEntry:
+        """The model's entry; 404 if there is none, or if the caller may not see it (`visible`)."""
         entry = self.models.get(name)
-        if entry is None:
+        if entry is None or not visible:
             raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
         return entry
 

@@ -156,6 +156,50 @@ class RegistryService(Service):
         async def record_scale_op(req: m.RecordScaleOp) -> m.ScaleOpInfo:
             return await self.store.record_scale_op(req)
 
+        # --- API keys and usage (the gateway asks; it alone ever sees a secret) ---
+        @b.subscriber(subjects.REGISTRY_KEY_CREATE)
+        @rpc(m.CreateApiKey)
+        async def create_key(req: m.CreateApiKey) -> m.ApiKeyInfo:
+            try:
+                info = await self.store.create_key(req)
+            except ValueError as e:
+                raise DomainError(str(e), code="conflict") from e
+            log.info("API key %s (%s) created", info.key_id, info.name)
+            return info
+
+        @b.subscriber(subjects.REGISTRY_KEY_LIST)
+        @rpc(m.ListApiKeys)
+        async def list_keys(req: m.ListApiKeys) -> m.ApiKeyList:
+            return m.ApiKeyList(keys=await self.store.list_keys(req.include_revoked))
+
+        @b.subscriber(subjects.REGISTRY_KEY_REVOKE)
+        @rpc(m.ApiKeyRef)
+        async def revoke_key(req: m.ApiKeyRef) -> m.ApiKeyInfo:
+            info = await self.store.revoke_key(req.key_id)
+            if info is None:
+                raise DomainError(f"API key {req.key_id!r} not found", code="not_found")
+            log.info("API key %s (%s) revoked", info.key_id, info.name)
+            return info
+
+        @b.subscriber(subjects.REGISTRY_KEY_LOOKUP)
+        @rpc(m.LookupApiKey)
+        async def lookup_key(req: m.LookupApiKey) -> m.ApiKeyInfo:
+            info = await self.store.lookup_key(req.key_hash)
+            if info is None:
+                raise DomainError("no such API key", code="not_found")
+            return info
+
+        @b.subscriber(subjects.REGISTRY_USAGE_RECORD)
+        @rpc(m.RecordUsage)
+        async def record_usage(req: m.RecordUsage) -> m.UsageRecorded:
+            await self.store.record_usage(req.entries)
+            return m.UsageRecorded(entries=len(req.entries))
+
+        @b.subscriber(subjects.REGISTRY_USAGE_GET)
+        @rpc(m.GetUsage)
+        async def usage(req: m.GetUsage) -> m.UsageReport:
+            return m.UsageReport(usage=await self.store.usage(req.key, req.model))
+
         @b.subscriber(subjects.EVENT_BLOCK)
         @on_event(m.BlockEvent)
         async def block(ev: m.BlockEvent) -> None:
