@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from schema_strategies import SCHEMAS
 from llguidance import LLMatcher
 from test_engine import drain
 from transformers import AutoTokenizer
@@ -50,36 +51,7 @@ def run(engine: Engine, tokenizer, schema: dict | None, **params) -> tuple[str, 
     return tokenizer.decode(ids), outs
 
 
-# -- generated schemas: objects of strings, bounded integers, booleans, enums, arrays, nested objects ----------
-
-
-NAMES = st.from_regex(r"[a-z][a-z_]{0,7}", fullmatch=True)
-LEAVES = st.one_of(
-    st.builds(lambda lo, hi: {"type": "string", "minLength": lo, "maxLength": lo + hi},
-              st.integers(0, 3), st.integers(0, 10)),
-    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-              st.integers(-1000, 1000), st.integers(0, 10_000)),
-    st.just({"type": "boolean"}),
-    st.just({"type": "null"}),
-    st.lists(st.one_of(NAMES, st.integers(-5, 5)), min_size=1, max_size=4, unique=True).map(lambda v: {"enum": v}),
-)
-
-
-def objects(children) -> st.SearchStrategy[dict]:
-    def build(props: dict, required: list[bool]) -> dict:
-        req = [k for k, r in zip(props, required) if r]
-        return {"type": "object", "properties": props, "required": req, "additionalProperties": False}
-    return st.dictionaries(NAMES, children, min_size=1, max_size=4).flatmap(
-        lambda props: st.lists(st.booleans(), min_size=len(props), max_size=len(props)).map(
-            lambda req: build(props, req)))
-
-
-def arrays(children) -> st.SearchStrategy[dict]:
-    return st.builds(lambda items, lo, extra: {"type": "array", "items": items, "minItems": lo, "maxItems": lo + extra},
-                     children, st.integers(0, 2), st.integers(0, 3))
-
-
-SCHEMAS = objects(st.recursive(LEAVES, lambda c: st.one_of(objects(c), arrays(c)), max_leaves=6))
+# -- generated schemas (tests/schema_strategies.py) ----------------------------------------------------
 
 
 @settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
