@@ -128,6 +128,15 @@ def test_a_named_tool_is_the_one_called_and_the_conversation_goes_on(client):
     assert auto.choices[0].message.content or auto.choices[0].message.tool_calls
 
 
+def test_tools_are_in_the_prompt_unless_tool_choice_is_none(client):
+    """The demo template ignores `tools`: they are described in the system prompt instead."""
+    def prompt_tokens(**kw) -> int:
+        return client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, **kw).usage.prompt_tokens
+    plain = prompt_tokens()
+    assert prompt_tokens(tools=TOOLS, tool_choice="none") == plain
+    assert prompt_tokens(tools=TOOLS) == prompt_tokens(tools=TOOLS, tool_choice="required") > plain + 50
+
+
 def test_a_handed_over_constrained_request_continues_its_json(cluster):
     """The message a hand-over sends (generated_ids, the same SamplingSpec with its grammar), sent
     to the serving worker: the worker replays the tokens into the grammar and goes on as one run."""
