@@ -31,7 +31,14 @@ from services.gateway.schemas import (
     TokenizeRequest,
 )
 from services.gateway.service import INLINE_TOKENIZE_BYTES, GatewayService, Generation, ModelEntry, Piece
-from services.gateway.structured import ToolCallParser, chat_turns, json_grammar, plan_chat, response_schema
+from services.gateway.structured import (
+    ForcedCall,
+    ToolCallParser,
+    chat_turns,
+    json_grammar,
+    plan_chat,
+    response_schema,
+)
 
 REQUESTS = Counter("layercast_gateway_requests_total", "HTTP requests", ["endpoint", "status"])
 
@@ -243,7 +250,9 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
                         (body.top_logprobs or 0) if body.logprobs else None, plan.grammar)
         gen = await service.start_generation(entry, prompt_ids, spec, body.stop)
         # With tools: text goes out as content until a tool call begins; calls come at the end.
-        calls = ToolCallParser({t["function"]["name"] for t in plan.tools}, plan.parallel) if plan.parse_calls else None
+        calls = ToolCallParser({t["function"]["name"] for t in plan.tools}, plan.parallel) \
+            if plan.parse_calls and not plan.forced else None
+        forced = ForcedCall() if plan.forced else None
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs(pieces: list) -> dict | None:
@@ -259,6 +268,16 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
             async def events() -> AsyncIterator[dict]:
                 yield chunk({"role": "assistant", "content": ""}, None)
                 async for p in gen:
+                    if forced:  # the call's id, type and name once known, then its arguments as they come
+                        name, args = forced.feed(p.text)
+                        args += forced.finish() if p.finish_reason else ""
+                        if name:
+                            yield chunk({"tool_calls": [{"index": 0, "id": forced.id, "type": "function",
+                                                         "function": {"name": name, "arguments": ""}}]}, None)
+                        finish = "tool_calls" if p.finish_reason == "stop" and forced.name else p.finish_reason
+                        delta = {"tool_calls": [{"index": 0, "function": {"arguments": args}}]} if args else {}
+                        yield chunk(delta, finish, [p])
+                        continue
                     text = calls.feed(p.text) if calls else p.text
                     if calls and p.finish_reason:
                         rest, tool_calls = calls.finish()
@@ -280,6 +299,12 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
             return _sse(gen, events())
         text, finish, pieces = await _collect(gen)
         message = {"role": "assistant", "content": text}
+        if forced:
+            forced.feed(text)
+            forced.finish()
+            if forced.name is not None:  # (cut short before the name: what was written is content)
+                message = {"role": "assistant", "content": None, "tool_calls": [forced.call()]}
+                finish = "tool_calls" if finish == "stop" else finish
         if calls:
             content = calls.feed(text)
             rest, tool_calls = calls.finish()

@@ -14,6 +14,8 @@ them described in the system prompt, with that format, as Qwen2.5's template wri
 `tool_choice`: "none" renders no tools and returns text; "auto" renders them and parses the
 output (a call if there is one, else content); "required" constrains the output to one call of
 any tool (a JSON schema per tool: the name, its arguments' schema), a named tool to that tool's.
+Streamed, a required or named call's arguments go out as they are written (ForcedCall); with
+"auto", content goes out until a <tool_call> tag and the calls come at the end (ToolCallParser).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class ChatPlan:
     tools: list[dict] = field(default_factory=list)  # rendered into the prompt ([]: none)
     parse_calls: bool = False  # tool calls are looked for in the output
     parallel: bool = True  # more than one call may be returned (auto)
+    forced: bool = False  # the output is one call (required, named): its arguments stream as they come
 
 
 def plan_chat(body) -> ChatPlan:
@@ -112,7 +115,7 @@ def plan_chat(body) -> ChatPlan:
         lark = f"start: call\n{call}"
     grammar = None if lark is None else _check(LLMatcher.grammar_from_lark(lark), "tools")
     return ChatPlan(grammar=grammar, tools=[t.model_dump(exclude_none=True) for t in body.tools], parse_calls=True,
-                    parallel=choice == "auto" and body.parallel_tool_calls is not False)
+                    parallel=choice == "auto" and body.parallel_tool_calls is not False, forced=choice != "auto")
 
 
 # --- prompts -------------------------------------------------------------------------------------
@@ -213,3 +216,44 @@ class ToolCallParser:
             calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                           "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
         return calls if self.parallel else calls[:1]
+
+
+_HEAD = re.compile(r'\s*' + re.escape(OPEN) + r'\n\{"name": "([A-Za-z0-9_-]+)", "arguments": ')
+_TAIL = "}\n" + CLOSE
+
+
+class ForcedCall:
+    """A required or named call as it streams: its grammar fixes the layout (the Hermes tags, the
+    name first, fixed separators), so the name is known as soon as it is written and the arguments'
+    text goes out as it comes (all but what may be the closing `}` and tag, held back)."""
+
+    def __init__(self):
+        self.id = f"call_{uuid.uuid4().hex[:24]}"
+        self.name: str | None = None
+        self.arguments = ""  # sent so far
+        self._buf = ""
+
+    def feed(self, text: str) -> tuple[str | None, str]:
+        """(the name, when it has just become known; the arguments' new text)."""
+        self._buf += text
+        named = None
+        if self.name is None:
+            head = _HEAD.match(self._buf)
+            if head is None:
+                return None, ""
+            self.name = named = head.group(1)
+            self._buf = self._buf[head.end():]
+        return named, self._take(len(self._buf) - len(_TAIL))
+
+    def finish(self) -> str:
+        """The arguments' last text (the output is complete, or was cut short)."""
+        end = len(self._buf) - len(_TAIL) if self._buf.endswith(_TAIL) else len(self._buf)
+        return self._take(end) if self.name is not None else ""
+
+    def _take(self, end: int) -> str:
+        new = self._buf[len(self.arguments):end] if end > len(self.arguments) else ""
+        self.arguments += new
+        return new
+
+    def call(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}

@@ -118,6 +118,15 @@ def test_a_named_tool_is_the_one_called_and_the_conversation_goes_on(client):
                                              tool_choice={"type": "function", "function": {"name": name}})
         (call,) = out.choices[0].message.tool_calls
         check_call(call, name)
+        streamed = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=200, seed=7,
+                                                  tool_choice={"type": "function", "function": {"name": name}},
+                                                  stream=True)
+        deltas = [d for c in streamed if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        assert [d.function.name for d in deltas if d.function.name] == [name]
+        fragments = [d.function.arguments for d in deltas if d.function.arguments]
+        assert "".join(fragments) == call.function.arguments
+        if name == "get_weather":  # the arguments come as they are written, not at the end
+            assert len(fragments) > 3
     # The client sends the call and its result back, as the openai client shapes them.
     follow = [*CHAT, out.choices[0].message.model_dump(exclude_none=True),
               {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]

@@ -12,7 +12,7 @@ from services.gateway.app import create_app
 from services.gateway.errors import APIError
 from services.gateway.schemas import ChatCompletionRequest
 from services.gateway.service import GatewayService
-from services.gateway.structured import ToolCallParser, chat_turns, plan_chat, template_renders_tools
+from services.gateway.structured import ForcedCall, ToolCallParser, chat_turns, plan_chat, template_renders_tools
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -130,3 +130,21 @@ def test_tool_calls_are_parsed_out_of_streamed_text():
         sent = p.feed(text)
         rest, calls = p.finish()
         assert (sent + rest, calls) == (text, [])
+
+
+def test_a_forced_call_streams_its_name_then_its_arguments():
+    args = '{"city": "Paris", "when": {"day": 1}}'
+    text = '<tool_call>\n{"name": "get_weather", "arguments": ' + args + '}\n</tool_call>'
+    call = ForcedCall()
+    events = [call.feed(text[i:i + 2]) for i in range(0, len(text), 2)]
+    last = call.finish()
+    names = [n for n, _ in events if n]
+    fragments = [a for _, a in events if a] + [last]
+    assert names == ["get_weather"] and "".join(fragments) == args and len(fragments) > 5
+    assert call.call()["function"] == {"name": "get_weather", "arguments": args}
+    cut = ForcedCall()  # cut short (max_tokens): the arguments so far
+    cut.feed(text[:60])
+    cut.finish()
+    assert cut.name == "get_weather" and args.startswith(cut.arguments) and cut.arguments
+    early = ForcedCall()  # cut before the name is known: no call
+    assert early.feed(text[:20]) == (None, "") and early.finish() == "" and early.name is None
