@@ -249,7 +249,8 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         spec = sampling(entry, body, len(prompt_ids), requested, param,
                         (body.top_logprobs or 0) if body.logprobs else None, plan.grammar)
         gen = await service.start_generation(entry, prompt_ids, spec, body.stop)
-        # With tools: text goes out as content until a tool call begins; calls come at the end.
+        # tool_choice auto: text goes out as content until a tool call begins, calls come at the end;
+        # required or named: the one call, as it is written.
         calls = ToolCallParser({t["function"]["name"] for t in plan.tools}, plan.parallel) \
             if plan.parse_calls and not plan.forced else None
         forced = ForcedCall() if plan.forced else None
@@ -276,6 +277,8 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
                                                          "function": {"name": name, "arguments": ""}}]}, None)
                         finish = "tool_calls" if p.finish_reason == "stop" and forced.name else p.finish_reason
                         delta = {"tool_calls": [{"index": 0, "function": {"arguments": args}}]} if args else {}
+                        if p.finish_reason and forced.name is None and forced.unparsed:
+                            delta = {"content": forced.unparsed}  # cut short before the name: it was text
                         yield chunk(delta, finish, [p])
                         continue
                     text = calls.feed(p.text) if calls else p.text

@@ -255,5 +255,10 @@ class ForcedCall:
         self.arguments += new
         return new
 
+    @property
+    def unparsed(self) -> str:
+        """What was written while no name is known yet."""
+        return self._buf if self.name is None else ""
+
     def call(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}

@@ -148,3 +148,4 @@ def test_a_forced_call_streams_its_name_then_its_arguments():
     assert cut.name == "get_weather" and args.startswith(cut.arguments) and cut.arguments
     early = ForcedCall()  # cut before the name is known: no call
     assert early.feed(text[:20]) == (None, "") and early.finish() == "" and early.name is None
+    assert early.unparsed == text[:20] and cut.unparsed == ""
