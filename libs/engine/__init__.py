@@ -1,5 +1,6 @@
 """Layer-range execution over block buffers, KV caches, sampling, and a local serving engine."""
 
+from .grammar import Constraint, grammar_tokenizer
 from .engine import AdmissionError, Engine, TokenOutput, budgeted_stage, checkpoint_eos_ids, local_stages
 from .model import SUPPORTED_MODEL_TYPES, LayerRange, hf_config, warm_up
 from .sampling import SamplingParams, apply_penalties, make_generator, sample_token, token_logprobs
@@ -8,6 +9,8 @@ from .stages import LocalStage, RemoteStage, StageServer
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "AdmissionError",
+    "Constraint",
+    "grammar_tokenizer",
     "Engine",
     "LocalStage",
     "RemoteStage",

@@ -39,6 +39,7 @@ import torch
 
 from libs.checkpoint import CheckpointIndex, load_block
 
+from .grammar import Constraint, grammar_tokenizer
 from .kv import kv_bytes_per_slot
 from .model import BlockSource, LayerRange
 from .sampling import SamplingParams, make_generator, sample_token, token_logprobs
@@ -82,6 +83,7 @@ class _Request:
     pending: list[int] = field(default_factory=list)  # context tokens not yet in the KV cache
     held: bool = False  # recomputed, waiting for release() before it decodes
     started: bool = False  # holds KV slots
+    constraint: Constraint | None = None  # its grammar's state (SamplingParams.grammar)
 
 
 @dataclass
@@ -131,6 +133,7 @@ class Engine:
         max_queue: int | None = None,
         token_budget: int = DEFAULT_TOKEN_BUDGET,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        tokenizer_dir: str | os.PathLike | None = None,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -152,6 +155,8 @@ class Engine:
         if eos_token_ids is None:
             eos_token_ids = _as_id_list(index.config.get("eos_token_id"))
         self.eos_token_ids = frozenset(eos_token_ids)
+        # The checkpoint's tokenizer files: read only once a request comes with a grammar.
+        self.tokenizer_dir = None if tokenizer_dir is None else str(tokenizer_dir)
         self._queue: OrderedDict[str, _Request] = OrderedDict()  # waiting for KV slots (FIFO)
         self._active: OrderedDict[str, _Request] = OrderedDict()  # hold KV slots
 
@@ -172,6 +177,7 @@ class Engine:
         index = CheckpointIndex.load(ckpt_dir)
         blocks = {b.id: load_block(ckpt_dir, index, b.id) for b in index.blocks}
         kwargs.setdefault("eos_token_ids", checkpoint_eos_ids(ckpt_dir, index))
+        kwargs.setdefault("tokenizer_dir", ckpt_dir)
         if splits:
             kwargs["stages"] = local_stages(index, blocks, splits, device, kwargs.get("max_batch_size", 8),
                                             int(kwargs.get("max_seq_len") or index.config.get(
@@ -216,16 +222,24 @@ class Engine:
             )
         if self.num_requests >= self.max_batch_size + self.max_queue:
             raise AdmissionError(f"engine is full ({self.max_batch_size} running, {len(self._queue)} queued)")
+        stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids)
+        constraint = None
+        if params.grammar is not None:
+            if self.tokenizer_dir is None:
+                raise ValueError("this engine has no tokenizer for grammars (tokenizer_dir)")
+            constraint = Constraint(grammar_tokenizer(self.tokenizer_dir), params.grammar, self.vocab_size, stop_ids)
+            constraint.consume(generated)  # resumed elsewhere: the grammar goes on where it was
         self._queue[request_id] = _Request(
             id=request_id,
             prompt_ids=prompt_ids,
             params=params,
             generator=make_generator(params, self.device),
-            stop_ids=self.eos_token_ids | frozenset(params.stop_token_ids),
+            stop_ids=stop_ids,
             output_ids=list(generated),
             # The last generated token is fed by the first decode step, as if it had just been sampled.
             pending=prompt_ids + list(generated[:-1]),
             held=hold,
+            constraint=constraint,
         )
 
     def _check_ids(self, ids: Sequence[int], what: str, allow_empty: bool = False) -> list[int]:
@@ -247,6 +261,8 @@ class Engine:
         if len(req.output_ids) + len(ids) >= req.params.max_tokens:
             raise ValueError("catching up would reach max_tokens: let the source finish the request")
         if ids:
+            if req.constraint is not None:
+                req.constraint.consume(ids)
             req.pending += [req.output_ids[-1], *ids[:-1]]
             req.output_ids += ids
 
@@ -400,7 +416,8 @@ class Engine:
         return x
 
     def _advance(self, req: _Request, logits: torch.Tensor) -> TokenOutput:
-        token = sample_token(logits, req.params, req.generator, req.prompt_ids, req.output_ids)
+        allowed = req.constraint.allowed() if req.constraint is not None else None
+        token = sample_token(logits, req.params, req.generator, req.prompt_ids, req.output_ids, allowed)
         logprob, top = None, ()
         if req.params.logprobs is not None:
             logprob, top = token_logprobs(logits, token, req.params.logprobs)
@@ -408,6 +425,8 @@ class Engine:
         reason: FinishReason | None = None
         if token in req.stop_ids:
             reason = "stop"
+        elif req.constraint is not None and (not req.constraint.take(token) or req.constraint.finished):
+            reason = "stop"  # the grammar is complete: its text ends on this token (or it refused one)
         elif len(req.output_ids) >= req.params.max_tokens:
             reason = "length"
         if reason is not None:

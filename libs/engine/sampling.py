@@ -3,12 +3,13 @@
 A step's logits for a request go through, in order (vLLM's order): the repetition penalty
 (HF/vLLM: a logit of a token seen in the prompt or the output is divided by the penalty when
 positive, multiplied when not), then the OpenAI frequency and presence penalties (counts over
-the tokens generated so far), then temperature and top-p. The penalties are derived from the
+the tokens generated so far), then a grammar's mask (constrained decoding, grammar.py: the
+tokens it does not allow at -inf), then temperature and top-p. The penalties are derived from the
 request's ids every step, so a request handed over with its generated ids (KV recompute) goes
 on exactly as if it had stayed.
 
-Logprobs, when asked for, are the log-softmax of the model's own logits (before penalties and
-temperature), as vLLM returns by default: what the model thinks, whatever the sampler did.
+Logprobs, when asked for, are the log-softmax of the model's own logits (before penalties, a
+grammar's mask and temperature), as vLLM returns by default: what the model thinks, whatever the sampler did.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from .grammar import mask_logits
 
 MAX_LOGPROBS = 20  # top logprobs per token at most (OpenAI's chat limit)
 
@@ -37,6 +40,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/vLLM: over prompt and output, logit / p if > 0 else logit * p
     # None: no logprobs; k >= 0: the sampled token's logprob and the k most likely tokens'.
     logprobs: int | None = None
+    # Constrained decoding: an llguidance grammar (grammar.py) the output must match; None: free.
+    grammar: str | None = None
 
     def __post_init__(self):
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
@@ -60,6 +65,8 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError("grammar must be None or a non-empty string")
 
     @property
     def greedy(self) -> bool:
@@ -111,9 +118,13 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, t
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                 prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()) -> int:
-    """Pick the next token from 1-D `logits` [vocab], given the request's ids so far (penalties)."""
+                 prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = (),
+                 allowed: torch.Tensor | None = None) -> int:
+    """Pick the next token from 1-D `logits` [vocab], given the request's ids so far (penalties)
+    and, with a grammar, the tokens it allows ([vocab] bool)."""
     logits = apply_penalties(logits, params, prompt_ids, output_ids)
+    if allowed is not None:
+        logits = mask_logits(logits, allowed)
     if params.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)

@@ -553,6 +553,9 @@ class SamplingSpec(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     # None: no logprobs; k: each token's logprob and its k most likely alternatives.
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Constrained decoding (response_format, tools): an llguidance grammar, built and validated by
+    # the gateway; the entry worker masks each step's logits with it. None: unconstrained.
+    grammar: str | None = None
 
 
 class GenerateRequest(Message):

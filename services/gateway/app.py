@@ -34,6 +34,14 @@ from services.gateway.schemas import (
 )
 from services.gateway.service import INLINE_TOKENIZE_BYTES, GatewayService, Generation, ModelEntry, Piece
 from services.gateway.tenants import Caller, Tenants, Ticket, new_secret
+from services.gateway.structured import (
+    ForcedCall,
+    ToolCallParser,
+    chat_turns,
+    json_grammar,
+    plan_chat,
+    response_schema,
+)
 
 log = logging.getLogger(__name__)
 
@@ -195,21 +203,24 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         return {"id": name, "object": "model", "created": int(e.info.created_at), "owned_by": "layercast"}
 
     async def _tokenize_chat(entry: ModelEntry, messages: list[ChatMessage], add_generation_prompt: bool,
-                             add_special_tokens: bool = False) -> list[int]:
-        turns = [{"role": msg.role if msg.role != "developer" else "system", "content": msg.text()}
-                 for msg in messages]
-        return await service.tokenize(entry, sum(utf8_len(t["content"]) for t in turns), "messages",
-                                      lambda: _chat_ids(entry, turns, add_generation_prompt, add_special_tokens))
+                             add_special_tokens: bool = False, tools: list[dict] = ()) -> list[int]:
+        # Tools, calls and results go to a template that renders tools as it wants them, else as text.
+        native = bool(tools or any(msg.tool_calls or msg.tool_call_id for msg in messages)) and entry.renders_tools
+        turns = chat_turns(messages, list(tools), native)
+        nbytes = sum(utf8_len(t["content"]) for t in turns) + (utf8_len(json.dumps(tools)) if native else 0)
+        return await service.tokenize(entry, nbytes, "messages",
+                                      lambda: _chat_ids(entry, turns, add_generation_prompt, add_special_tokens,
+                                                        list(tools) if native else None))
 
     def sampling(entry: ModelEntry, body, prompt_len: int, max_tokens: int | None, param: str,
-                 logprobs: int | None = None) -> m.SamplingSpec:
+                 logprobs: int | None = None, grammar: str | None = None) -> m.SamplingSpec:
         return m.SamplingSpec(
             temperature=body.temperature, top_p=body.top_p,
             max_tokens=service.resolve_max_tokens(entry, prompt_len, max_tokens, param),
             seed=body.seed, stop_token_ids=entry.eos_ids,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            logprobs=logprobs)
+            logprobs=logprobs, grammar=grammar)
 
     async def generate(caller: Caller, entry: ModelEntry, prompt_ids: list[int], spec: m.SamplingSpec,
                        stops: list[str]) -> tuple[Generation, Ticket]:
@@ -230,7 +241,9 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
                                                lambda: entry.tokenizer(body.prompt).input_ids)
         else:
             prompt_ids = _check_ids(entry, body.prompt, "prompt")
-        spec = sampling(entry, body, len(prompt_ids), body.max_tokens, "max_tokens", body.logprobs)
+        schema = response_schema(body.response_format)
+        grammar = json_grammar(schema, "response_format") if schema is not None else None
+        spec = sampling(entry, body, len(prompt_ids), body.max_tokens, "max_tokens", body.logprobs, grammar)
         gen, ticket = await generate(caller, entry, prompt_ids, spec, body.stop)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prefix = ""
@@ -260,12 +273,18 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, caller: Caller = Depends(api_key)) -> Response:
         entry = model_entry(caller, body.model)
-        prompt_ids = await _tokenize_chat(entry, body.messages, add_generation_prompt=True)
+        plan = plan_chat(body)
+        prompt_ids = await _tokenize_chat(entry, body.messages, add_generation_prompt=True, tools=plan.tools)
         requested = body.max_completion_tokens or body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         spec = sampling(entry, body, len(prompt_ids), requested, param,
-                        (body.top_logprobs or 0) if body.logprobs else None)
+                        (body.top_logprobs or 0) if body.logprobs else None, plan.grammar)
         gen, ticket = await generate(caller, entry, prompt_ids, spec, body.stop)
+        # tool_choice auto: text goes out as content until a tool call begins, calls come at the end;
+        # required or named: the one call, as it is written.
+        calls = ToolCallParser({t["function"]["name"] for t in plan.tools}, plan.parallel) \
+            if plan.parse_calls and not plan.forced else None
+        forced = ForcedCall() if plan.forced else None
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs(pieces: list) -> dict | None:
@@ -281,15 +300,55 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
             async def events() -> AsyncIterator[dict]:
                 yield chunk({"role": "assistant", "content": ""}, None)
                 async for p in gen:
-                    yield chunk({"content": p.text} if p.text else {}, p.finish_reason, [p])
+                    if forced:  # the call's id, type and name once known, then its arguments as they come
+                        name, args = forced.feed(p.text)
+                        args += forced.finish() if p.finish_reason else ""
+                        if name:
+                            yield chunk({"tool_calls": [{"index": 0, "id": forced.id, "type": "function",
+                                                         "function": {"name": name, "arguments": ""}}]}, None)
+                        finish = "tool_calls" if p.finish_reason == "stop" and forced.name else p.finish_reason
+                        delta = {"tool_calls": [{"index": 0, "function": {"arguments": args}}]} if args else {}
+                        if p.finish_reason and forced.name is None and forced.unparsed:
+                            delta = {"content": forced.unparsed}  # cut short before the name: it was text
+                        yield chunk(delta, finish, [p])
+                        continue
+                    text = calls.feed(p.text) if calls else p.text
+                    if calls and p.finish_reason:
+                        rest, tool_calls = calls.finish()
+                        text += rest
+                        if tool_calls:
+                            if text:
+                                yield chunk({"content": text}, None, [p])
+                            for i, tc in enumerate(tool_calls):
+                                fn = tc["function"]
+                                yield chunk({"tool_calls": [{"index": i, "id": tc["id"], "type": "function",
+                                                             "function": {"name": fn["name"], "arguments": ""}}]}, None)
+                                yield chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]},
+                                            None)
+                            yield chunk({}, "tool_calls", [] if text else [p])
+                            continue
+                    yield chunk({"content": text} if text else {}, p.finish_reason, [p])
                 if body.stream_options and body.stream_options.include_usage:
                     yield {**chunk({}, None), "choices": [], "usage": _usage(gen)}
             return _sse(gen, ticket, events())
         text, finish, pieces = await _collect(gen, ticket)
+        message = {"role": "assistant", "content": text}
+        if forced:
+            forced.feed(text)
+            forced.finish()
+            if forced.name is not None:  # (cut short before the name: what was written is content)
+                message = {"role": "assistant", "content": None, "tool_calls": [forced.call()]}
+                finish = "tool_calls" if finish == "stop" else finish
+        if calls:
+            content = calls.feed(text)
+            rest, tool_calls = calls.finish()
+            content += rest
+            if tool_calls:
+                message = {"role": "assistant", "content": content or None, "tool_calls": tool_calls}
+                finish = "tool_calls"
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": body.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs(pieces), "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs(pieces), "finish_reason": finish}],
             "usage": _usage(gen)}, headers=ticket.headers)
 
     # --- tokenizer API, as vLLM offers it -------------------------------------------------------------
@@ -407,10 +466,10 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
 
 
 def _chat_ids(entry: ModelEntry, messages: list[dict], add_generation_prompt: bool,
-              add_special_tokens: bool) -> list[int]:
+              add_special_tokens: bool, tools: list[dict] | None = None) -> list[int]:
     try:
         rendered = entry.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                       tokenize=False)
+                                                       tokenize=False, tools=tools or None)
     except Exception as e:
         raise APIError(400, f"cannot apply the model's chat template: {e}", param="messages") from e
     # The template writes the special tokens it wants (a BOS): the tokenizer adds none by default.

@@ -15,11 +15,11 @@ from libs.protocol import messages as m
 
 
 # Accepted and ignored whatever their value: they ask for nothing a client could see differ here
-# (ids and tags for OpenAI's abuse monitoring and dashboards, caching and service-tier hints, how
-# tool calls would run if tools, which are refused, were given; padding of streamed chunks).
+# (ids and tags for OpenAI's abuse monitoring and dashboards, caching and service-tier hints;
+# padding of streamed chunks).
 IGNORED_FIELDS = frozenset({
     "user", "safety_identifier", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-    "prompt_cache_options", "parallel_tool_calls", "include_obfuscation"})
+    "prompt_cache_options", "include_obfuscation"})
 # Accepted at these values only, which ask for what layercast does anyway (it never stores outputs).
 NEUTRAL_VALUES: dict[str, Any] = {"store": False}
 
@@ -44,6 +44,26 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema (constrained decoding)
+
+
+class ResponseFormat(_Body):
+    """`text`, `json_object` (any JSON object) or `json_schema` (JSON valid against its schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+
 class _SamplingBody(_Body):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -57,6 +77,7 @@ class _SamplingBody(_Body):
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=1.0, gt=0.0)  # vLLM's extension (HF's definition)
+    response_format: ResponseFormat | None = None  # on completions too, as vLLM has it
 
     @field_validator("stop")
     @classmethod
@@ -104,9 +125,22 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as the API returns it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -114,11 +148,44 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
+class FunctionDef(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; none: the function takes no arguments
+    strict: bool | None = None  # a required or named call always follows its schema
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = Field(default=None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # "required" and a named tool make exactly one call; "auto" returns every call the model
+    # writes, or only the first with parallel_tool_calls false.
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v, info: ValidationInfo):
+        if v is not None and v != "none" and not info.data.get("tools"):
+            raise ValueError("tool_choice needs tools")
+        return v
 
     @field_validator("top_logprobs")
     @classmethod

@@ -25,6 +25,7 @@ from services.common.runner import EndedInstances, Service
 from services.gateway.errors import APIError
 from services.gateway.logprobs import TokenLogprob, TokenStrings
 from services.gateway.routing import ModelRoutes, Route
+from services.gateway.structured import template_renders_tools
 from services.gateway.text import IncrementalDetokenizer, StopMatcher
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,11 @@ class ModelEntry:
     def token_strings(self) -> TokenStrings:
         """Token ids to the strings and bytes logprobs show (made on the first request that asks)."""
         return TokenStrings(self.tokenizer)
+
+    @cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template writes `tools` itself (structured.py describes them if not)."""
+        return template_renders_tools(self.tokenizer)
 
 
 @dataclass

@@ -161,7 +161,7 @@ class InstanceLoading:
                 building = asyncio.ensure_future(asyncio.to_thread(
                     Engine, index, arriving, device=config.device,
                     max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-                    kv_cache_bytes=config.kv_cache_bytes)) if full else None
+                    kv_cache_bytes=config.kv_cache_bytes, tokenizer_dir=cmd.path)) if full else None
                 remaining = list(wanted)
                 while remaining:
                     # In the order the blocks land, not block order: a multicast brings each receiver

@@ -83,7 +83,7 @@ class PipelineStages:
                                slots=local.slots, timeout_s=STAGE_TIMEOUT_S)
                    for i, s in enumerate(op.stages) if i > 0]
         engine = Engine(checkpoint, device=c.device, max_batch_size=c.max_batch_size, max_seq_len=c.max_seq_len,
-                        stages=[local, *remotes])
+                        stages=[local, *remotes], tokenizer_dir=op.path)
         w.runtime.attach(op.instance_id, engine)
         now = time.time()
         info = m.InstanceInfo(instance_id=op.instance_id, model=op.model, mode="pipeline", stages=op.stages,

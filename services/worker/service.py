@@ -30,7 +30,7 @@ from libs.checkpoint.fastload import (
     LoadJob,
     host_buffer,
 )
-from libs.engine import SamplingParams, TokenOutput, warm_up
+from libs.engine import SamplingParams, TokenOutput, grammar_tokenizer, warm_up
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.bus.broker import DomainError, call, on_event, publish, rpc
@@ -481,8 +481,12 @@ class WorkerService(Service):
                 params = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
                                         seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
                                         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                                        repetition_penalty=s.repetition_penalty, logprobs=s.logprobs)
-            except ValueError as e:
+                                        repetition_penalty=s.repetition_penalty, logprobs=s.logprobs,
+                                        grammar=s.grammar)
+                if s.grammar is not None:
+                    # Read the tokenizer for grammars here, off the engine thread (once per model).
+                    await asyncio.to_thread(grammar_tokenizer, inst.path)
+            except (ValueError, OSError) as e:
                 raise DomainError(str(e)) from e
             span = _tracer.start_span("worker.generate", attributes={
                 "layercast.model": req.model, "layercast.worker": wid, "layercast.instance": req.instance_id,

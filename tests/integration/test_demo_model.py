@@ -3,8 +3,10 @@
 Its greedy answers through the official `openai` client equal `transformers` `generate()`
 on the imported checkpoint, word for word."""
 
+import json
 import uuid
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -61,3 +63,31 @@ def test_the_demo_model_answers_as_transformers_generate_does(cluster, demo_mode
                                            max_tokens=MAX_TOKENS, temperature=0)
     assert "Paris" in paris.choices[0].message.content
     assert paris.choices[0].finish_reason == "stop"  # <|im_end|>, the end of the chat turn
+
+
+def test_the_demo_model_answers_in_json_and_calls_tools(cluster):
+    """Constrained decoding on a real model (its 49k vocabulary, its tokenizer for grammars): a
+    JSON answer that validates and makes sense, and a required tool call with sensible arguments."""
+    client = openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key=API_KEY, timeout=120)
+    schema = {"type": "object", "additionalProperties": False, "required": ["country", "capital"],
+              "properties": {"country": {"type": "string", "maxLength": 30}, "capital": {"type": "string",
+                                                                                        "maxLength": 30}}}
+    out = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}})
+    answer = json.loads(out.choices[0].message.content)
+    jsonschema.validate(answer, schema)
+    assert "Paris" in answer["capital"] and out.choices[0].finish_reason == "stop"
+    weather = {"type": "object", "additionalProperties": False, "required": ["city"],
+               "properties": {"city": {"type": "string", "maxLength": 40}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                               "parameters": weather}}]
+    out = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "What's the weather like in London?"}], tools=tools,
+        tool_choice="required", max_tokens=60, temperature=0)
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and out.choices[0].finish_reason == "tool_calls"
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, weather)
+    assert "London" in args["city"]

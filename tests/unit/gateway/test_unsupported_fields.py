@@ -23,7 +23,7 @@ ENDPOINTS = {
 # Implemented by layercast: accepted on both endpoints where the client has them.
 SUPPORTED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
              "stop", "seed", "stream_options", "echo", "presence_penalty", "frequency_penalty", "logprobs",
-             "top_logprobs"}
+             "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 # A plausible value for every field of the client's request types (a new field fails the test
 # until it is given one here, and so gets checked).
 PLAUSIBLE = {
@@ -35,7 +35,7 @@ PLAUSIBLE = {
     "prompt_cache_key": "k", "prompt_cache_options": {"mode": "explicit"}, "prompt_cache_retention": "24h",
     "reasoning_effort": "low", "response_format": {"type": "json_object"}, "safety_identifier": "s",
     "seed": 1, "service_tier": "auto", "stop": "x", "store": True, "stream_options": {"include_usage": True},
-    "suffix": "the end", "temperature": 0.5, "tool_choice": "auto",
+    "suffix": "the end", "temperature": 0.5, "tool_choice": "none",  # alone: "none" (others need tools)
     "tools": [{"type": "function", "function": {"name": "f"}}], "top_logprobs": 2, "top_p": 0.9, "user": "u1",
     "verbosity": "low", "web_search_options": {"search_context_size": "low"},
 }
@@ -101,8 +101,11 @@ def test_unknown_fields_are_refused_too_nested_and_admin_ones_included(client):
     base = ENDPOINTS["/v1/completions"][2]
     assert unsupported(client.post("/v1/completions", json={**base, "temprature": 0.2})) == "temprature"
     assert unsupported(client.post("/v1/completions", json={**base, "top_k": 5})) == "top_k"
-    chat = {"model": "m", "messages": [{"role": "user", "content": "hi", "tool_call_id": "c1"}]}
-    assert unsupported(client.post("/v1/chat/completions", json=chat)) == "messages.0.tool_call_id"
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi", "name": "bob"}]}
+    assert unsupported(client.post("/v1/chat/completions", json=chat)) == "messages.0.name"
+    schema = {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {},
+                                                                                  "streaming": True}}}
+    assert unsupported(client.post("/v1/chat/completions", json=schema)) == "response_format.json_schema.streaming"
     streamed = {**base, "stream": True, "stream_options": {"include_usage": True, "continuous_usage": True}}
     assert unsupported(client.post("/v1/completions", json=streamed)) == "stream_options.continuous_usage"
     deploy = {"name": "x", "path": "/tmp", "min_instance": 1}  # a typo would silently deploy with the default
