@@ -37,6 +37,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/vLLM: over prompt and output, logit / p if > 0 else logit * p
     # None: no logprobs; k >= 0: the sampled token's logprob and the k most likely tokens'.
     logprobs: int | None = None
+    n: int = 1  # choices: completions of one prompt, each in its own KV slot (the prompt prefilled once)
 
     def __post_init__(self):
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
@@ -60,6 +61,8 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
 
     @property
     def greedy(self) -> bool:
@@ -70,13 +73,15 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
-def make_generator(params: SamplingParams, device: str | torch.device = "cpu") -> torch.Generator:
-    """A per-request generator, so one request's sampling never shifts another's random stream."""
+def make_generator(params: SamplingParams, device: str | torch.device = "cpu", choice: int = 0) -> torch.Generator:
+    """A per-request generator, so one request's sampling never shifts another's random stream.
+    Choice i of a seeded request is seeded with seed + i: reproducible, and different from the
+    request's other choices (choice 0 samples exactly as the same request with n = 1)."""
     gen = torch.Generator(device=device)
     if params.seed is None:
         gen.seed()
     else:
-        gen.manual_seed(params.seed)
+        gen.manual_seed(params.seed + choice)
     return gen
 
 
