@@ -29,11 +29,13 @@ def main() -> None:
     p.add_argument("--max-body-bytes", type=int,
                    default=int(env("LAYERCAST_MAX_BODY_BYTES", GatewayConfig.max_body_bytes)),
                    help="larger request bodies are refused (413) unread")
+    p.add_argument("--max-n", type=int, default=int(env("LAYERCAST_MAX_N", GatewayConfig.max_n)),
+                   help="choices (n) per request at most; each takes a KV slot")
     a = p.parse_args()
     setup_logging("gateway")
     setup_tracing("gateway", subjects.QUIET_SUBJECTS)
     config = GatewayConfig(queue_timeout_s=a.queue_timeout, slots_per_instance=a.slots_per_instance,
-                           max_context=a.max_context, max_body_bytes=a.max_body_bytes)
+                           max_context=a.max_context, max_body_bytes=a.max_body_bytes, max_n=a.max_n)
     app = create_app(GatewayService(config), _keys(env("LAYERCAST_API_KEYS"), "LAYERCAST_API_KEYS"),
                      _keys(env("LAYERCAST_ADMIN_KEYS"), "LAYERCAST_ADMIN_KEYS"))
     uvicorn.run(app, host=a.host, port=a.port, log_level=env("LAYERCAST_LOG_LEVEL", "info").lower(),

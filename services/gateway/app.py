@@ -186,13 +186,16 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
 
     def sampling(entry: ModelEntry, body, prompt_len: int, max_tokens: int | None, param: str,
                  logprobs: int | None = None) -> m.SamplingSpec:
+        if body.n > service.config.max_n:  # each choice takes a KV slot of an instance
+            raise APIError(400, f"Invalid value for 'n': {body.n} is more than this gateway's limit of "
+                           f"{service.config.max_n}", param="n", code="invalid_value")
         return m.SamplingSpec(
             temperature=body.temperature, top_p=body.top_p,
             max_tokens=service.resolve_max_tokens(entry, prompt_len, max_tokens, param),
             seed=body.seed, stop_token_ids=entry.eos_ids,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            logprobs=logprobs)
+            logprobs=logprobs, n=body.n)
 
     @app.post("/v1/completions", dependencies=[Depends(api_key)])
     async def completions(body: CompletionRequest) -> Response:
@@ -206,25 +209,30 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         gen = await service.start_generation(entry, prompt_ids, spec, body.stop)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prefix = body.prompt if (body.echo and isinstance(body.prompt, str)) else ""
-        logprobs = (CompletionLogprobs(entry.token_strings, body.logprobs, offset=len(prefix))
-                    if body.logprobs is not None else None)
+        logprobs = ([CompletionLogprobs(entry.token_strings, body.logprobs, offset=len(prefix)) for _ in range(body.n)]
+                    if body.logprobs is not None else None)  # one per choice: text offsets run per choice
 
-        def chunk(text: str, finish: str | None, pieces: list = ()) -> dict:
-            lp = logprobs.take([p.logprob for p in pieces if p.logprob]) if logprobs and pieces else None
+        def choice(text: str, finish: str | None, pieces: list = (), index: int = 0) -> dict:
+            lp = logprobs[index].take([p.logprob for p in pieces if p.logprob]) if logprobs and pieces else None
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+        def chunk(choices: list[dict]) -> dict:
             return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
+                    "choices": choices}
 
         if body.stream:
             async def events() -> AsyncIterator[dict]:
                 if prefix:
-                    yield chunk(prefix, None)
+                    for i in range(body.n):
+                        yield chunk([choice(prefix, None, index=i)])
                 async for p in gen:
-                    yield chunk(p.text, p.finish_reason, [p])
+                    yield chunk([choice(p.text, p.finish_reason, [p], p.index)])
                 if body.stream_options and body.stream_options.include_usage:
-                    yield {**chunk("", None), "choices": [], "usage": _usage(gen)}
+                    yield {**chunk([]), "usage": _usage(gen)}
             return _sse(gen, events())
-        text, finish, pieces = await _collect(gen)
-        return JSONResponse({**chunk(prefix + text, finish, pieces), "usage": _usage(gen)})
+        collected = await _collect(gen)
+        return JSONResponse({**chunk([choice(prefix + text, finish, pieces, i)
+                                      for i, (text, finish, pieces) in enumerate(collected)]), "usage": _usage(gen)})
 
     @app.post("/v1/chat/completions", dependencies=[Depends(api_key)])
     async def chat_completions(body: ChatCompletionRequest) -> Response:
@@ -242,23 +250,26 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
                 return None
             return {"content": chat_content(entry.token_strings, [p.logprob for p in pieces if p.logprob])}
 
-        def chunk(delta: dict, finish: str | None, pieces: list = ()) -> dict:
+        def chunk(delta: dict, finish: str | None, pieces: list = (), index: int = 0) -> dict:
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs(pieces), "finish_reason": finish}]}
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs(pieces),
+                                 "finish_reason": finish}]}
 
         if body.stream:
             async def events() -> AsyncIterator[dict]:
-                yield chunk({"role": "assistant", "content": ""}, None)
+                for i in range(body.n):
+                    yield chunk({"role": "assistant", "content": ""}, None, index=i)
                 async for p in gen:
-                    yield chunk({"content": p.text} if p.text else {}, p.finish_reason, [p])
+                    yield chunk({"content": p.text} if p.text else {}, p.finish_reason, [p], p.index)
                 if body.stream_options and body.stream_options.include_usage:
                     yield {**chunk({}, None), "choices": [], "usage": _usage(gen)}
             return _sse(gen, events())
-        text, finish, pieces = await _collect(gen)
+        collected = await _collect(gen)
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": body.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs(pieces), "finish_reason": finish}],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                         "logprobs": logprobs(pieces), "finish_reason": finish}
+                        for i, (text, finish, pieces) in enumerate(collected)],
             "usage": _usage(gen)})
 
     # --- tokenizer API, as vLLM offers it -------------------------------------------------------------
@@ -368,15 +379,16 @@ def _usage(gen: Generation) -> dict:
             "total_tokens": gen.prompt_len + gen.completion_tokens}
 
 
-async def _collect(gen: Generation) -> tuple[str, str | None, list[Piece]]:
-    pieces, finish = [], None
+async def _collect(gen: Generation) -> list[tuple[str, str | None, list[Piece]]]:
+    """Per choice, in index order: its text, finish reason and pieces."""
+    pieces: list[list[Piece]] = [[] for _ in gen.choices]
     try:
         async for p in gen:
-            pieces.append(p)
-            finish = p.finish_reason or finish
+            pieces[p.index].append(p)
     finally:
         await gen.close()
-    return "".join(p.text for p in pieces), finish, pieces
+    return [("".join(p.text for p in ps), next((p.finish_reason for p in reversed(ps) if p.finish_reason), None), ps)
+            for ps in pieces]
 
 
 def _sse(gen: Generation, events: AsyncIterator[dict]) -> StreamingResponse:
