@@ -221,7 +221,8 @@ class Generation:
         self.span.add_event("handover", {"layercast.reason": why[:200], "layercast.tokens": tokens})
         # n > 1: the choices still running go on, each from its own tokens (the prompt is
         # prefilled once there too); the ended ones stay as they are.
-        resume = {} if self.sampling.n == 1 else {i: c.token_ids for i, c in enumerate(self.choices) if not c.finished}
+        resume = {} if self.sampling.n == 1 else {i: list(c.token_ids) for i, c in enumerate(self.choices)
+                                                  if not c.finished}
         try:
             self.route = await self.gw.dispatch(self.entry, self.request_id, self.prompt_ids, self.sampling,
                                                 self.token_ids if self.sampling.n == 1 else (), resume)
