@@ -40,10 +40,11 @@ def count_prefill(engine: Engine) -> list[int]:
     return counted
 
 
-def solo(block_dir, params: SamplingParams, **kw) -> list[int]:  # noqa: F811
+def solo(block_dir, params: SamplingParams, outputs: bool = False, **kw):  # noqa: F811
     engine = Engine.from_checkpoint(block_dir, max_batch_size=8, max_seq_len=64, eos_token_ids=(), **kw)
     engine.add_request("x", PROMPT, params)
-    return tokens(drain(engine), "x")[0]
+    out = drain(engine)
+    return out[("x", 0)] if outputs else tokens(out, "x")[0]
 
 
 @pytest.mark.parametrize("splits", [(), (1,)])
@@ -71,19 +72,23 @@ def test_the_prompt_is_prefilled_once_and_greedy_choices_equal_n1(block_dir, spl
 def test_seeded_choices_differ_are_reproducible_and_each_samples_as_seed_plus_i(block_dir, splits):  # noqa: F811
     """Choice i of a seeded request samples as an n=1 request with seed + i: reproducible,
     different from its siblings, and proof that each fork's KV equals the prompt's own
-    (one stage or two)."""
-    params = SamplingParams(temperature=1.0, max_tokens=12, seed=7, n=3)
+    (one stage or two): the same tokens, and the same logprobs (the model's, so any difference
+    in a choice's KV shows)."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=7, n=3, logprobs=0)
 
-    def run() -> dict[int, list[int]]:
+    def run() -> dict:
         engine = Engine.from_checkpoint(block_dir, max_batch_size=8, max_seq_len=64, eos_token_ids=(), splits=splits)
         engine.add_request("r", PROMPT, params)
-        return tokens(drain(engine))
+        return drain(engine)
 
-    got = run()
-    assert got == run()
+    out = run()
+    got = tokens(out)
+    assert got == tokens(run())
     assert len({tuple(t) for t in got.values()}) == 3
     for c in range(3):
-        assert got[c] == solo(block_dir, SamplingParams(temperature=1.0, max_tokens=12, seed=7 + c))
+        alone = solo(block_dir, SamplingParams(temperature=1.0, max_tokens=12, seed=7 + c, logprobs=0), outputs=True)
+        assert got[c] == [o.token_id for o in alone]
+        assert [o.logprob for o in out[("r", c)]] == pytest.approx([o.logprob for o in alone], abs=1e-5)
 
 
 def test_choices_take_slots_together_and_cancel_together(block_dir):  # noqa: F811
