@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import conftest_models
 import pytest
-from conftest_models import block_dir, hf_dir, arch  # noqa: F401  (fixtures)
 
 from libs.engine import AdmissionError, Engine, SamplingParams
 
+arch, hf_dir, block_dir = conftest_models.arch, conftest_models.hf_dir, conftest_models.block_dir  # fixtures
 PROMPT = [1, 17, 200, 45, 301, 99, 7, 450, 12, 64]
 
 
@@ -40,7 +41,7 @@ def count_prefill(engine: Engine) -> list[int]:
     return counted
 
 
-def solo(block_dir, params: SamplingParams, outputs: bool = False, **kw):  # noqa: F811
+def solo(block_dir, params: SamplingParams, outputs: bool = False, **kw):
     engine = Engine.from_checkpoint(block_dir, max_batch_size=8, max_seq_len=64, eos_token_ids=(), **kw)
     engine.add_request("x", PROMPT, params)
     out = drain(engine)
@@ -48,7 +49,7 @@ def solo(block_dir, params: SamplingParams, outputs: bool = False, **kw):  # noq
 
 
 @pytest.mark.parametrize("splits", [(), (1,)])
-def test_the_prompt_is_prefilled_once_and_greedy_choices_equal_n1(block_dir, splits):  # noqa: F811
+def test_the_prompt_is_prefilled_once_and_greedy_choices_equal_n1(block_dir, splits):
     """n=4 through one stage or a two-stage pipeline: each stage sees the prompt's tokens once
     (not 4 times), every choice's first token comes in the prefill's step, and greedy choices
     all equal the n=1 output."""
@@ -69,7 +70,7 @@ def test_the_prompt_is_prefilled_once_and_greedy_choices_equal_n1(block_dir, spl
 
 
 @pytest.mark.parametrize("splits", [(), (1,)])
-def test_seeded_choices_differ_are_reproducible_and_each_samples_as_seed_plus_i(block_dir, splits):  # noqa: F811
+def test_seeded_choices_differ_are_reproducible_and_each_samples_as_seed_plus_i(block_dir, splits):
     """Choice i of a seeded request samples as an n=1 request with seed + i: reproducible,
     different from its siblings, and proof that each fork's KV equals the prompt's own
     (one stage or two): the same tokens, and the same logprobs (the model's, so any difference
@@ -91,7 +92,7 @@ def test_seeded_choices_differ_are_reproducible_and_each_samples_as_seed_plus_i(
         assert [o.logprob for o in out[("r", c)]] == pytest.approx([o.logprob for o in alone], abs=1e-5)
 
 
-def test_choices_take_slots_together_and_cancel_together(block_dir):  # noqa: F811
+def test_choices_take_slots_together_and_cancel_together(block_dir):
     engine = Engine.from_checkpoint(block_dir, max_batch_size=4, max_seq_len=64, eos_token_ids=(), max_queue=4)
     with pytest.raises(AdmissionError, match="n=5"):
         engine.add_request("big", PROMPT, SamplingParams(max_tokens=4, n=5))
@@ -114,7 +115,7 @@ def test_choices_take_slots_together_and_cancel_together(block_dir):  # noqa: F8
     assert engine.free_slots == 4 and not engine.has_work()
 
 
-def test_a_handed_over_request_resumes_its_unfinished_choices(block_dir):  # noqa: F811
+def test_a_handed_over_request_resumes_its_unfinished_choices(block_dir):
     """Hand-over with n>1: the choices still running, each with its tokens so far; the prompt is
     still prefilled once (each choice's own tokens after the copy), and each goes on where it was."""
     want = solo(block_dir, SamplingParams(temperature=0, max_tokens=8))
