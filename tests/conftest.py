@@ -141,9 +141,11 @@ def request_scale(nats_url: str, desired: int, model: str = "tiny", reason: str 
 
 
 def generate_on_worker(nats_url: str, worker_id: str, instance_id: str, prompt_ids: list[int],
-                       sampling, generated_ids: list[int] = (), model: str = "tiny") -> list:
+                       sampling, generated_ids: list[int] = (), model: str = "tiny",
+                       choices: dict[int, list[int]] | None = None) -> list:
     """Send a GenerateRequest straight to a worker (as the gateway's hand-over does, with the
-    tokens generated so far) and collect its TokenEvents until the last."""
+    tokens generated so far: `choices` for n > 1) and collect its TokenEvents until the last
+    (of every choice)."""
     import asyncio
     import uuid
 
@@ -157,19 +159,23 @@ def generate_on_worker(nats_url: str, worker_id: str, instance_id: str, prompt_i
         done = asyncio.Event()
         request_id = f"direct-{uuid.uuid4().hex[:8]}"
         reply = f"{subjects.PREFIX}.test.tokens.{request_id}"
+        running = len(choices) if choices else sampling.n
 
         @broker.subscriber(reply)
         @on_event(m.TokenEvent)
         async def token(ev: m.TokenEvent) -> None:
+            nonlocal running
             events.append(ev)
-            if ev.finished:
+            running -= ev.finished
+            if running <= 0 or ev.error:
                 done.set()
 
         await start_broker(broker)
         try:
             req = m.GenerateRequest(request_id=request_id, instance_id=instance_id, model=model,
                                     prompt_ids=list(prompt_ids), reply_subject=reply,
-                                    generated_ids=list(generated_ids), sampling=sampling)
+                                    generated_ids=list(generated_ids), sampling=sampling,
+                                    choices=dict(choices or {}))
             await call(broker, subjects.worker_generate(worker_id), req, m.GenerateAccepted)
             await asyncio.wait_for(done.wait(), 30)
             return events

@@ -20,6 +20,12 @@ KV recompute: a request can join with tokens it already generated elsewhere
 it stopped (λScale §4.4 mode switch, ServerlessLLM §5.2 live migration). With
 `hold=True` it stays paused after that prefill so the source can hand over the
 tokens it produced meanwhile (`catch_up`) before decoding moves (`release`).
+
+Choices (SamplingParams.n > 1): one request, n completions of its prompt. Each
+choice is a row of its own (its KV slot, generator, output and finish), admitted
+together (n slots at once, or the request waits). The prompt is prefilled once,
+by the first choice; its KV is then copied into the others' slots on every stage
+(`Stage.fork`) and each choice samples its first token from the same logits.
 """
 
 from __future__ import annotations
@@ -70,10 +76,13 @@ class TokenOutput:
     # log-softmax, before penalties and temperature) and the top (token id, logprob) pairs.
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    choice: int = 0  # which of the request's n choices (SamplingParams.n) the token belongs to
 
 
 @dataclass
 class _Request:
+    """One choice of a request (a request with n = 1 is its choice 0): a KV slot's row."""
+
     id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -84,6 +93,17 @@ class _Request:
     held: bool = False  # recomputed, waiting for release() before it decodes
     started: bool = False  # holds KV slots
     constraint: Constraint | None = None  # its grammar's state (SamplingParams.grammar)
+    choice: int = 0
+    # n > 1: the choice that prefills the prompt, for the others (`forks`) until it has; they
+    # wait for a copy of its KV. Its own resumed tokens (`tail`) go in after the copy.
+    parent: _Request | None = None
+    forks: list[_Request] = field(default_factory=list)
+    tail: list[int] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        """Its KV slots' name on every stage (choice 0: the request id, as for n = 1)."""
+        return self.id if self.choice == 0 else f"{self.id}#{self.choice}"
 
 
 @dataclass
@@ -97,7 +117,7 @@ class _Pass:
 
     @property
     def ids(self) -> list[str]:
-        return [r.id for r in self.requests]
+        return [r.key for r in self.requests]  # the rows' KV slot names on the stages
 
 
 def _split(items: list, parts: int) -> list[list]:
@@ -157,8 +177,9 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         # The checkpoint's tokenizer files: read only once a request comes with a grammar.
         self.tokenizer_dir = None if tokenizer_dir is None else str(tokenizer_dir)
-        self._queue: OrderedDict[str, _Request] = OrderedDict()  # waiting for KV slots (FIFO)
-        self._active: OrderedDict[str, _Request] = OrderedDict()  # hold KV slots
+        # request id -> its choices, waiting for KV slots (FIFO; admitted together)
+        self._queue: OrderedDict[str, list[_Request]] = OrderedDict()
+        self._active: OrderedDict[str, _Request] = OrderedDict()  # choice key -> choice holding KV slots
 
     @property
     def model(self) -> LayerRange:
@@ -202,45 +223,73 @@ class Engine:
     # -- request lifecycle ---------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    generated_ids: Sequence[int] = (), hold: bool = False) -> None:
-        """Queue a request; `generated_ids`: tokens it already produced elsewhere (KV recompute)."""
-        if request_id in self._queue or request_id in self._active:
+                    generated_ids: Sequence[int] = (), hold: bool = False,
+                    choices: Mapping[int, Sequence[int]] | None = None) -> None:
+        """Queue a request; `generated_ids`: tokens it already produced elsewhere (KV recompute).
+        With n > 1, `choices` resumes it: the choices still to run (indices < n), each with the
+        tokens it already produced (None: all n from the start)."""
+        if self._choices(request_id):
             raise ValueError(f"request {request_id!r} is already in the engine")
         prompt_ids = self._check_ids(prompt_ids, "prompt_ids")
-        generated = self._check_ids(generated_ids, "generated_ids", allow_empty=True)
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
-        if hold and not generated:
-            raise ValueError("only a request that resumes (generated_ids) can be held")
-        if len(generated) >= params.max_tokens:
-            raise ValueError(f"{len(generated)} tokens already generated: nothing left of max_tokens "
-                             f"({params.max_tokens})")
+        if choices is None:
+            choices = {0: generated_ids} if params.n == 1 else {i: () for i in range(params.n)}
+        elif generated_ids or not choices or not set(choices) <= set(range(params.n)):
+            raise ValueError(f"choices: a non-empty map of choice indices < n ({params.n}) to their tokens, "
+                             "instead of generated_ids")
+        runs = {c: self._check_ids(ids, "generated_ids", allow_empty=True) for c, ids in sorted(choices.items())}
+        if hold and (len(runs) > 1 or not next(iter(runs.values()))):
+            raise ValueError("only a request that resumes (generated_ids) with one choice can be held")
+        for generated in runs.values():
+            if len(generated) >= params.max_tokens:
+                raise ValueError(f"{len(generated)} tokens already generated: nothing left of max_tokens "
+                                 f"({params.max_tokens})")
         if len(prompt_ids) + params.max_tokens > self.max_seq_len:
             raise AdmissionError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds max_seq_len ({self.max_seq_len})"
             )
-        if self.num_requests >= self.max_batch_size + self.max_queue:
+        if len(runs) > self.max_batch_size:  # its choices run at once, a KV slot each
+            raise AdmissionError(f"n={len(runs)} choices need as many KV slots; this engine has "
+                                 f"{self.max_batch_size}")
+        if self.num_requests + len(runs) > self.max_batch_size + self.max_queue:
             raise AdmissionError(f"engine is full ({self.max_batch_size} running, {len(self._queue)} queued)")
         stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids)
-        constraint = None
-        if params.grammar is not None:
-            if self.tokenizer_dir is None:
-                raise ValueError("this engine has no tokenizer for grammars (tokenizer_dir)")
-            constraint = Constraint(grammar_tokenizer(self.tokenizer_dir), params.grammar, self.vocab_size, stop_ids)
-            constraint.consume(generated)  # resumed elsewhere: the grammar goes on where it was
-        self._queue[request_id] = _Request(
-            id=request_id,
-            prompt_ids=prompt_ids,
-            params=params,
-            generator=make_generator(params, self.device),
-            stop_ids=stop_ids,
-            output_ids=list(generated),
-            # The last generated token is fed by the first decode step, as if it had just been sampled.
-            pending=prompt_ids + list(generated[:-1]),
-            held=hold,
-            constraint=constraint,
-        )
+        if params.grammar is not None and self.tokenizer_dir is None:
+            raise ValueError("this engine has no tokenizer for grammars (tokenizer_dir)")
+        group = []
+        for c, generated in runs.items():
+            constraint = None
+            if params.grammar is not None:  # one grammar state per choice
+                constraint = Constraint(grammar_tokenizer(self.tokenizer_dir), params.grammar, self.vocab_size,
+                                        stop_ids)
+                constraint.consume(generated)  # resumed elsewhere: the grammar goes on where it was
+            group.append(_Request(
+                id=request_id, prompt_ids=prompt_ids, params=params, choice=c,
+                generator=make_generator(params, self.device, choice=c), stop_ids=stop_ids,
+                output_ids=list(generated),
+                # The last generated token is fed by the first decode step, as if it had just been sampled.
+                pending=prompt_ids + list(generated[:-1]),
+                held=hold,
+                constraint=constraint,
+            ))
+        if len(group) > 1:  # the first prefills the prompt; the others get a copy of its KV
+            first = group[0]
+            first.forks = group[1:]
+            first.tail, first.pending = first.pending[len(prompt_ids):], list(prompt_ids)
+            for other in first.forks:
+                other.parent, other.pending = first, other.pending[len(prompt_ids):]
+        self._queue[request_id] = group
+
+    def _choices(self, request_id: str) -> list[_Request]:
+        """The request's choices in the engine (queued or running)."""
+        return self._queue.get(request_id) or [r for r in self._active.values() if r.id == request_id]
+
+    def _only(self, request_id: str) -> _Request | None:
+        """The request's one choice (n = 1 operations: the hand-over's catch-up)."""
+        found = self._choices(request_id)
+        return found[0] if len(found) == 1 else None
 
     def _check_ids(self, ids: Sequence[int], what: str, allow_empty: bool = False) -> list[int]:
         try:
@@ -254,7 +303,7 @@ class Engine:
 
     def catch_up(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Append tokens a held request's source generated meanwhile (second stage of the catch-up)."""
-        req = self._active.get(request_id) or self._queue.get(request_id)
+        req = self._only(request_id)
         if req is None or not req.held:
             raise ValueError(f"request {request_id!r} is not held in this engine")
         ids = self._check_ids(token_ids, "token_ids", allow_empty=True)
@@ -268,20 +317,21 @@ class Engine:
 
     def release(self, request_id: str) -> None:
         """A held request starts decoding here (its source has stopped)."""
-        req = self._active.get(request_id) or self._queue.get(request_id)
+        req = self._only(request_id)
         if req is None:
             raise ValueError(f"request {request_id!r} is not in this engine")
         req.held = False
 
     def cancel(self, request_id: str) -> bool:
-        """Drop a request and free its KV slots; False if it is not in the engine (e.g. already finished)."""
+        """Drop a request (all its choices) and free its KV slots; False if it is not in the
+        engine (e.g. already finished)."""
         if self._queue.pop(request_id, None) is not None:
             return True
-        req = self._active.pop(request_id, None)
-        if req is None:
-            return False
-        self._close(req)
-        return True
+        running = [r for r in self._active.values() if r.id == request_id]
+        for req in running:
+            del self._active[req.key]
+            self._close(req)
+        return bool(running)
 
     def abort_remote_stages(self, reason: str) -> None:
         """Thread-safe: calls waiting on other workers' stages fail now (see RemoteStage.abort)."""
@@ -295,7 +345,8 @@ class Engine:
 
     @property
     def num_requests(self) -> int:
-        return len(self._queue) + len(self._active)
+        """Choices queued or running (each takes a KV slot when it runs)."""
+        return sum(map(len, self._queue.values())) + len(self._active)
 
     @property
     def free_slots(self) -> int:
@@ -303,7 +354,7 @@ class Engine:
 
     def context_ids(self, request_id: str) -> list[int]:
         """Prompt + generated tokens of a request: what another worker needs to take it over."""
-        req = self._active.get(request_id) or self._queue.get(request_id)
+        req = self._only(request_id)
         if req is None:
             raise KeyError(request_id)
         return req.prompt_ids + req.output_ids
@@ -324,22 +375,39 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
         """Admit, decode one token for every running request, then prefill with what is left of the budget."""
-        while self._queue and len(self._active) < self.max_batch_size:
-            req = self._queue.popitem(last=False)[1]
-            for stage in self.stages:
-                stage.open(req.id)
-            req.started = True
-            self._active[req.id] = req
+        # A request's choices are admitted together (none ever waits for a slot mid-request); in order.
+        while self._queue and len(self._active) + len(next(iter(self._queue.values()))) <= self.max_batch_size:
+            for req in self._queue.popitem(last=False)[1]:
+                for stage in self.stages:
+                    stage.open(req.key)
+                req.started = True
+                self._active[req.key] = req
         passes: list[_Pass] = []
-        decoding = [r for r in self._active.values() if not r.pending and not r.held and r.output_ids]
+        decoding = [r for r in self._active.values()
+                    if not r.pending and not r.held and r.output_ids and r.parent is None]
         for group in _split(decoding, self.micro_batches):
             ids = torch.tensor([[r.output_ids[-1]] for r in group], device=self.device)
             passes.append(_Pass(group, ids, 1, sample=(True,) * len(group)))
         passes += self._prefill_passes(self.token_budget - len(decoding))
         outputs: list[TokenOutput] = []
         for p, logits in zip(passes, self._run_passes(passes)):
-            outputs += [self._advance(r, logits[i, -1]) for i, r in enumerate(p.requests) if p.sample[i]]
+            for i, r in enumerate(p.requests):
+                # The prompt is in: its other choices get its KV (before this one may finish and
+                # free it) and sample their first token from the same logits.
+                forked = self._fork(r) if r.forks and not r.pending else []
+                if p.sample[i]:
+                    outputs.append(self._advance(r, logits[i, -1]))
+                outputs += [self._advance(f, logits[i, -1]) for f in forked if not f.output_ids]
         return outputs
+
+    def _fork(self, req: _Request) -> list[_Request]:
+        forks, req.forks = req.forks, []
+        for f in forks:
+            for stage in self.stages:
+                stage.fork(req.key, f.key, len(req.prompt_ids))
+            f.parent = None
+        req.pending, req.tail = req.tail, []
+        return forks
 
     def _prefill_passes(self, budget: int) -> list[_Pass]:
         """Prompt chunks within `budget` tokens, batched: the requests waiting for prefill go
@@ -349,7 +417,7 @@ class Engine:
         stage when stages run elsewhere. A request gets one chunk a step
         (as before: its chunks never overlap in a pipeline's stages); in admission order."""
         passes: list[_Pass] = []
-        waiting = [r for r in self._active.values() if r.pending]
+        waiting = [r for r in self._active.values() if r.pending and r.parent is None]
         while waiting and budget > 0:
             n = min(self.prefill_chunk, *(len(r.pending) for r in waiting))
             rows = waiting[: max(1, budget // n)]
@@ -430,19 +498,19 @@ class Engine:
         elif len(req.output_ids) >= req.params.max_tokens:
             reason = "length"
         if reason is not None:
-            del self._active[req.id]
+            del self._active[req.key]
             self._close(req)
         return TokenOutput(req.id, token, reason is not None, reason, len(req.prompt_ids), len(req.output_ids),
-                           logprob, top)
+                           logprob, top, req.choice)
 
     def _close(self, req: _Request) -> None:
         if req.started:
             req.started = False
             for stage in self.stages:
                 try:
-                    stage.close(req.id)
+                    stage.close(req.key)
                 except Exception as e:  # a stage that is gone (a pipeline's worker) has nothing left to free
-                    log.warning("closing %s on a stage failed: %s", req.id, e)
+                    log.warning("closing %s on a stage failed: %s", req.key, e)
 
 
 def checkpoint_eos_ids(ckpt_dir: str | os.PathLike, index: CheckpointIndex) -> set[int]:

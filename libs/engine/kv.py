@@ -78,6 +78,15 @@ class SlotKVCache:
         self.lengths[slot] = 0
         self._free.append(slot)
 
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Slot `dst` holds the first `length` tokens of slot `src` (the choices of one prompt
+        share its prefill: n > 1)."""
+        if not 0 < length <= self.lengths[src]:
+            raise ValueError(f"slot {src} holds {self.lengths[src]} tokens, cannot copy {length}")
+        for t in (*self.keys, *self.values):
+            t[dst, :, :length] = t[src, :, :length]
+        self.lengths[dst] = length
+
     def batch(self, slots: Sequence[int], q_len: int) -> BatchView:
         """A view for one forward pass: `q_len` new tokens for every row, at each slot's length."""
         for s in slots:

@@ -42,6 +42,7 @@ class SamplingParams:
     logprobs: int | None = None
     # Constrained decoding: an llguidance grammar (grammar.py) the output must match; None: free.
     grammar: str | None = None
+    n: int = 1  # choices: completions of one prompt, each in its own KV slot (the prompt prefilled once)
 
     def __post_init__(self):
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
@@ -67,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             raise ValueError("grammar must be None or a non-empty string")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
 
     @property
     def greedy(self) -> bool:
@@ -77,13 +80,15 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
-def make_generator(params: SamplingParams, device: str | torch.device = "cpu") -> torch.Generator:
-    """A per-request generator, so one request's sampling never shifts another's random stream."""
+def make_generator(params: SamplingParams, device: str | torch.device = "cpu", choice: int = 0) -> torch.Generator:
+    """A per-request generator, so one request's sampling never shifts another's random stream.
+    Choice i of a seeded request is seeded with seed + i: reproducible, and different from the
+    request's other choices (choice 0 samples exactly as the same request with n = 1)."""
     gen = torch.Generator(device=device)
     if params.seed is None:
         gen.seed()
     else:
-        gen.manual_seed(params.seed)
+        gen.manual_seed(params.seed + choice)
     return gen
 
 

@@ -2,7 +2,9 @@
 
 A stage takes token ids (first stage) or hidden states and returns hidden states
 or, for the last stage, logits. `open`/`close` reserve and free a request's KV
-slot: the KV of a request lives with the stage that computed it.
+slot: the KV of a request lives with the stage that computed it. `fork` copies
+one slot's first tokens into another (the choices of an n > 1 request share the
+prompt's prefill), where that KV lives.
 
 `StageServer` hosts local stages for remote callers and `RemoteStage` calls one
 of them: activations travel on the data plane's small-message channel (their
@@ -42,6 +44,8 @@ class Stage(Protocol):
 
     def close(self, request_id: str) -> None: ...
 
+    def fork(self, src_id: str, dst_id: str, length: int) -> None: ...
+
     def forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, logits_to_keep: int = 0
                 ) -> torch.Tensor: ...
 
@@ -70,6 +74,9 @@ class LocalStage:
         slot = self._slot.pop(request_id, None)
         if slot is not None:
             self.kv.release(slot)
+
+    def fork(self, src_id: str, dst_id: str, length: int) -> None:
+        self.kv.copy(self._slot[src_id], self._slot[dst_id], length)
 
     def forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, logits_to_keep: int = 0
                 ) -> torch.Tensor:
@@ -163,6 +170,9 @@ class StageServer:
         if op == "close":
             stage.close(str(header["request_id"]))
             return None
+        if op == "fork":
+            stage.fork(str(header["src"]), str(header["dst"]), int(header["length"]))
+            return None
         if op == "forward" and tensor is not None:
             return stage.forward([str(r) for r in header["request_ids"]], tensor, int(header["q_len"]),
                                  int(header.get("logits_to_keep", 0)))
@@ -224,6 +234,10 @@ class RemoteStage:
 
     def close(self, request_id: str) -> None:
         self._call({"op": "close", "request_id": request_id})
+
+    def fork(self, src_id: str, dst_id: str, length: int) -> None:
+        # Queued behind this engine's forward calls: the prefill it copies is in by then.
+        self._call({"op": "fork", "src": src_id, "dst": dst_id, "length": length})
 
     def forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, logits_to_keep: int = 0
                 ) -> torch.Tensor:

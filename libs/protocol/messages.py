@@ -556,6 +556,9 @@ class SamplingSpec(BaseModel):
     # Constrained decoding (response_format, tools): an llguidance grammar, built and validated by
     # the gateway; the entry worker masks each step's logits with it. None: unconstrained.
     grammar: str | None = None
+    # Completions of the prompt, each its own stream of TokenEvents (`choice`); the prompt is
+    # prefilled once. Each choice takes a KV slot: the gateway bounds n.
+    n: int = Field(default=1, ge=1)
 
 
 class GenerateRequest(Message):
@@ -568,6 +571,9 @@ class GenerateRequest(Message):
     # Hand-over (KV recompute): tokens this request already generated elsewhere. The worker
     # rebuilds the KV cache with one prefill and streams from token index len(generated_ids).
     generated_ids: list[int] = []
+    # The hand-over of an n > 1 request (generated_ids is for n = 1): the choices still running
+    # and the tokens each generated already. Empty: all n choices from the start.
+    choices: dict[int, list[int]] = {}
 
 
 class GenerateAccepted(Message):
@@ -597,6 +603,9 @@ class TokenEvent(Message):
     # (token id, logprob) pairs, most likely first.
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = []
+    # Which of the request's n choices this token is of (`index` counts per choice; each choice
+    # ends with its own finished event, the request once all have).
+    choice: int = Field(default=0, ge=0)
 
 
 # --- metrics and scaling -------------------------------------------------------------------------

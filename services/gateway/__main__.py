@@ -34,12 +34,15 @@ def main() -> None:
                    help="threads that tokenize large prompts off the event loop")
     p.add_argument("--key-cache-s", type=float, default=float(env("LAYERCAST_KEY_CACHE_S", GatewayConfig.key_cache_s)),
                    help="how long a registry API key's lookup is trusted (how late a revocation can be)")
+    p.add_argument("--max-n", type=int, default=int(env("LAYERCAST_MAX_N", GatewayConfig.max_n)),
+                   help="choices (n) per request at most; each takes a KV slot")
     a = p.parse_args()
     setup_logging("gateway")
     setup_tracing("gateway", subjects.QUIET_SUBJECTS)
     config = GatewayConfig(queue_timeout_s=a.queue_timeout, slots_per_instance=a.slots_per_instance,
                            max_context=a.max_context, max_body_bytes=a.max_body_bytes,
-                           tokenizer_threads=a.tokenizer_threads, key_cache_s=a.key_cache_s)
+                           tokenizer_threads=a.tokenizer_threads, key_cache_s=a.key_cache_s,
+                           max_n=a.max_n)
     app = create_app(GatewayService(config), _keys(env("LAYERCAST_API_KEYS"), "LAYERCAST_API_KEYS"),
                      _keys(env("LAYERCAST_ADMIN_KEYS"), "LAYERCAST_ADMIN_KEYS"))
     uvicorn.run(app, host=a.host, port=a.port, log_level=env("LAYERCAST_LOG_LEVEL", "info").lower(),

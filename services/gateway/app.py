@@ -214,19 +214,22 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
 
     def sampling(entry: ModelEntry, body, prompt_len: int, max_tokens: int | None, param: str,
                  logprobs: int | None = None, grammar: str | None = None) -> m.SamplingSpec:
+        if body.n > service.config.max_n:  # each choice takes a KV slot of an instance
+            raise APIError(400, f"Invalid value for 'n': {body.n} is more than this gateway's limit of "
+                           f"{service.config.max_n}", param="n", code="invalid_value")
         return m.SamplingSpec(
             temperature=body.temperature, top_p=body.top_p,
             max_tokens=service.resolve_max_tokens(entry, prompt_len, max_tokens, param),
             seed=body.seed, stop_token_ids=entry.eos_ids,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            logprobs=logprobs, grammar=grammar)
+            logprobs=logprobs, grammar=grammar, n=body.n)
 
     async def generate(caller: Caller, entry: ModelEntry, prompt_ids: list[int], spec: m.SamplingSpec,
                        stops: list[str]) -> tuple[Generation, Ticket]:
-        """Admit by the key's rate limits (counting the prompt and max_tokens, as the OpenAI API
-        does; settled with the real usage at the end), then dispatch."""
-        ticket = tenants.admit(caller, entry.info.name, len(prompt_ids) + spec.max_tokens)
+        """Admit by the key's rate limits (counting the prompt and every choice's max_tokens, as the
+        OpenAI API does; settled with the real usage at the end), then dispatch."""
+        ticket = tenants.admit(caller, entry.info.name, len(prompt_ids) + spec.max_tokens * spec.n)
         try:
             return await service.start_generation(entry, prompt_ids, spec, stops), ticket
         except BaseException:
@@ -250,25 +253,31 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         if body.echo:  # the prompt as given, or the text of its ids
             prefix = body.prompt if isinstance(body.prompt, str) else await service.off_loop(
                 lambda: entry.tokenizer.decode(prompt_ids), small=len(prompt_ids) <= INLINE_TOKENIZE_BYTES // 4)
-        logprobs = (CompletionLogprobs(entry.token_strings, body.logprobs, offset=len(prefix))
-                    if body.logprobs is not None else None)
+        logprobs = ([CompletionLogprobs(entry.token_strings, body.logprobs, offset=len(prefix)) for _ in range(body.n)]
+                    if body.logprobs is not None else None)  # one per choice: text offsets run per choice
 
-        def chunk(text: str, finish: str | None, pieces: list = ()) -> dict:
-            lp = logprobs.take([p.logprob for p in pieces if p.logprob]) if logprobs and pieces else None
+        def choice(text: str, finish: str | None, pieces: list = (), index: int = 0) -> dict:
+            lp = logprobs[index].take([p.logprob for p in pieces if p.logprob]) if logprobs and pieces else None
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+        def chunk(choices: list[dict]) -> dict:
             return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
+                    "choices": choices}
 
         if body.stream:
             async def events() -> AsyncIterator[dict]:
                 if prefix:
-                    yield chunk(prefix, None)
+                    for i in range(body.n):
+                        yield chunk([choice(prefix, None, index=i)])
                 async for p in gen:
-                    yield chunk(p.text, p.finish_reason, [p])
+                    yield chunk([choice(p.text, p.finish_reason, [p], p.index)])
                 if body.stream_options and body.stream_options.include_usage:
-                    yield {**chunk("", None), "choices": [], "usage": _usage(gen)}
+                    yield {**chunk([]), "usage": _usage(gen)}
             return _sse(gen, ticket, events())
-        text, finish, pieces = await _collect(gen, ticket)
-        return JSONResponse({**chunk(prefix + text, finish, pieces), "usage": _usage(gen)}, headers=ticket.headers)
+        collected = await _collect(gen, ticket)
+        return JSONResponse({**chunk([choice(prefix + text, finish, pieces, i)
+                                      for i, (text, finish, pieces) in enumerate(collected)]), "usage": _usage(gen)},
+                            headers=ticket.headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, caller: Caller = Depends(api_key)) -> Response:
@@ -281,10 +290,11 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
                         (body.top_logprobs or 0) if body.logprobs else None, plan.grammar)
         gen, ticket = await generate(caller, entry, prompt_ids, spec, body.stop)
         # tool_choice auto: text goes out as content until a tool call begins, calls come at the end;
-        # required or named: the one call, as it is written.
-        calls = ToolCallParser({t["function"]["name"] for t in plan.tools}, plan.parallel) \
+        # required or named: the one call, as it is written. One parser per choice.
+        names = {t["function"]["name"] for t in plan.tools}
+        calls = [ToolCallParser(names, plan.parallel) for _ in range(body.n)] \
             if plan.parse_calls and not plan.forced else None
-        forced = ForcedCall() if plan.forced else None
+        forced = [ForcedCall() for _ in range(body.n)] if plan.forced else None
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs(pieces: list) -> dict | None:
@@ -292,64 +302,75 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
                 return None
             return {"content": chat_content(entry.token_strings, [p.logprob for p in pieces if p.logprob])}
 
-        def chunk(delta: dict, finish: str | None, pieces: list = ()) -> dict:
+        def chunk(delta: dict, finish: str | None, pieces: list = (), index: int = 0) -> dict:
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs(pieces), "finish_reason": finish}]}
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs(pieces),
+                                 "finish_reason": finish}]}
 
         if body.stream:
             async def events() -> AsyncIterator[dict]:
-                yield chunk({"role": "assistant", "content": ""}, None)
+                for i in range(body.n):
+                    yield chunk({"role": "assistant", "content": ""}, None, index=i)
                 async for p in gen:
+                    i = p.index
                     if forced:  # the call's id, type and name once known, then its arguments as they come
-                        name, args = forced.feed(p.text)
-                        args += forced.finish() if p.finish_reason else ""
+                        call = forced[i]
+                        name, args = call.feed(p.text)
+                        args += call.finish() if p.finish_reason else ""
                         if name:
-                            yield chunk({"tool_calls": [{"index": 0, "id": forced.id, "type": "function",
-                                                         "function": {"name": name, "arguments": ""}}]}, None)
-                        finish = "tool_calls" if p.finish_reason == "stop" and forced.name else p.finish_reason
+                            yield chunk({"tool_calls": [{"index": 0, "id": call.id, "type": "function",
+                                                         "function": {"name": name, "arguments": ""}}]}, None, index=i)
+                        finish = "tool_calls" if p.finish_reason == "stop" and call.name else p.finish_reason
                         delta = {"tool_calls": [{"index": 0, "function": {"arguments": args}}]} if args else {}
-                        if p.finish_reason and forced.name is None and forced.unparsed:
-                            delta = {"content": forced.unparsed}  # cut short before the name: it was text
-                        yield chunk(delta, finish, [p])
+                        if p.finish_reason and call.name is None and call.unparsed:
+                            delta = {"content": call.unparsed}  # cut short before the name: it was text
+                        yield chunk(delta, finish, [p], i)
                         continue
-                    text = calls.feed(p.text) if calls else p.text
+                    text = calls[i].feed(p.text) if calls else p.text
                     if calls and p.finish_reason:
-                        rest, tool_calls = calls.finish()
+                        rest, tool_calls = calls[i].finish()
                         text += rest
                         if tool_calls:
                             if text:
-                                yield chunk({"content": text}, None, [p])
-                            for i, tc in enumerate(tool_calls):
+                                yield chunk({"content": text}, None, [p], i)
+                            for k, tc in enumerate(tool_calls):
                                 fn = tc["function"]
-                                yield chunk({"tool_calls": [{"index": i, "id": tc["id"], "type": "function",
-                                                             "function": {"name": fn["name"], "arguments": ""}}]}, None)
-                                yield chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]},
-                                            None)
-                            yield chunk({}, "tool_calls", [] if text else [p])
+                                yield chunk({"tool_calls": [{"index": k, "id": tc["id"], "type": "function",
+                                                             "function": {"name": fn["name"], "arguments": ""}}]},
+                                            None, index=i)
+                                yield chunk({"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]},
+                                            None, index=i)
+                            yield chunk({}, "tool_calls", [] if text else [p], i)
                             continue
-                    yield chunk({"content": text} if text else {}, p.finish_reason, [p])
+                    yield chunk({"content": text} if text else {}, p.finish_reason, [p], i)
                 if body.stream_options and body.stream_options.include_usage:
                     yield {**chunk({}, None), "choices": [], "usage": _usage(gen)}
             return _sse(gen, ticket, events())
-        text, finish, pieces = await _collect(gen, ticket)
-        message = {"role": "assistant", "content": text}
-        if forced:
-            forced.feed(text)
-            forced.finish()
-            if forced.name is not None:  # (cut short before the name: what was written is content)
-                message = {"role": "assistant", "content": None, "tool_calls": [forced.call()]}
-                finish = "tool_calls" if finish == "stop" else finish
-        if calls:
-            content = calls.feed(text)
-            rest, tool_calls = calls.finish()
-            content += rest
-            if tool_calls:
-                message = {"role": "assistant", "content": content or None, "tool_calls": tool_calls}
-                finish = "tool_calls"
-        return JSONResponse({
-            "id": cid, "object": "chat.completion", "created": created, "model": body.model,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs(pieces), "finish_reason": finish}],
-            "usage": _usage(gen)}, headers=ticket.headers)
+
+        def message(i: int, text: str, finish: str | None) -> tuple[dict, str | None]:
+            out = {"role": "assistant", "content": text}
+            if forced:
+                call = forced[i]
+                call.feed(text)
+                call.finish()
+                if call.name is not None:  # (cut short before the name: what was written is content)
+                    out = {"role": "assistant", "content": None, "tool_calls": [call.call()]}
+                    finish = "tool_calls" if finish == "stop" else finish
+            if calls:
+                content = calls[i].feed(text)
+                rest, tool_calls = calls[i].finish()
+                content += rest
+                if tool_calls:
+                    out = {"role": "assistant", "content": content or None, "tool_calls": tool_calls}
+                    finish = "tool_calls"
+            return out, finish
+
+        choices = []
+        for i, (text, finish, pieces) in enumerate(await _collect(gen, ticket)):
+            msg, finish = message(i, text, finish)
+            choices.append({"index": i, "message": msg, "logprobs": logprobs(pieces), "finish_reason": finish})
+        return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": body.model,
+                             "choices": choices, "usage": _usage(gen)}, headers=ticket.headers)
 
     # --- tokenizer API, as vLLM offers it -------------------------------------------------------------
     @app.post("/tokenize")
@@ -494,15 +515,16 @@ async def _close(gen: Generation, ticket: Ticket) -> None:
     ticket.finish(gen.prompt_len, gen.completion_tokens)
 
 
-async def _collect(gen: Generation, ticket: Ticket) -> tuple[str, str | None, list[Piece]]:
-    pieces, finish = [], None
+async def _collect(gen: Generation, ticket: Ticket) -> list[tuple[str, str | None, list[Piece]]]:
+    """Per choice, in index order: its text, finish reason and pieces."""
+    pieces: list[list[Piece]] = [[] for _ in gen.choices]
     try:
         async for p in gen:
-            pieces.append(p)
-            finish = p.finish_reason or finish
+            pieces[p.index].append(p)
     finally:
         await _close(gen, ticket)
-    return "".join(p.text for p in pieces), finish, pieces
+    return [("".join(p.text for p in ps), next((p.finish_reason for p in reversed(ps) if p.finish_reason), None), ps)
+            for ps in pieces]
 
 
 def _sse(gen: Generation, ticket: Ticket, events: AsyncIterator[dict]) -> StreamingResponse:

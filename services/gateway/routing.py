@@ -1,6 +1,7 @@
 """Per-model routing table and admission queue of the gateway.
 
-A request takes a slot on the least-loaded ready instance: an instance has as many slots as
+A request takes a slot on the least-loaded ready instance (one per choice when it asks for n > 1:
+each runs as a row of its own): an instance has as many slots as
 its engine runs requests at once (its `max_batch`, at most `slots_per_instance`), so what no
 engine can run yet waits here and goes to whichever instance frees a slot or joins first, new
 capacity included, instead of queueing inside one busy engine. Instances whose blocks are still
@@ -34,13 +35,13 @@ class ModelRoutes:
     max_queue: int
     slots_per_instance: int
     routes: dict[str, Route] = field(default_factory=dict)
-    _waiters: deque[asyncio.Future] = field(default_factory=deque)
+    _waiters: deque[tuple[asyncio.Future, int]] = field(default_factory=deque)  # (waiter, slots it needs)
     arrivals: int = 0
     last_request_at: float | None = None
 
     @property
     def queued(self) -> int:
-        return sum(1 for f in self._waiters if not f.done())
+        return sum(1 for f, _ in self._waiters if not f.done())
 
     @property
     def in_flight(self) -> int:
@@ -60,34 +61,42 @@ class ModelRoutes:
     def remove(self, instance_id: str) -> Route | None:
         return self.routes.pop(instance_id, None)
 
-    def _free_route(self) -> Route | None:
-        free = [r for r in self.routes.values() if r.in_flight < r.slots]
+    @staticmethod
+    def charge(route: Route, weight: int) -> int:
+        """The slots `weight` choices take on `route`: all of it at most (more than an instance has
+        go to one whole, whose worker refuses them if its engine cannot run them at once)."""
+        return min(weight, route.slots)
+
+    def _free_route(self, weight: int = 1) -> Route | None:
+        free = [r for r in self.routes.values() if r.in_flight + self.charge(r, weight) <= r.slots]
         return min(free, key=lambda r: (r.loading, r.in_flight, r.instance_id)) if free else None
 
     def _wake(self) -> None:
         while self._waiters:
-            route = self._free_route()
-            if route is None:
-                return
-            waiter = self._waiters.popleft()
+            waiter, weight = self._waiters[0]
             if waiter.done():
+                self._waiters.popleft()
                 continue
-            route.in_flight += 1
+            route = self._free_route(weight)
+            if route is None:
+                return  # first come, first served: the head waits for room for all its choices
+            self._waiters.popleft()
+            route.in_flight += self.charge(route, weight)
             waiter.set_result(route)
 
-    async def acquire(self, timeout_s: float) -> Route:
-        """A slot on an instance; raises APIError 429 (queue full) or 503 (timed out)."""
+    async def acquire(self, timeout_s: float, weight: int = 1) -> Route:
+        """Slots for `weight` choices on one instance; raises APIError 429 (queue full) or 503 (timed out)."""
         self.arrivals += 1
         self.last_request_at = time.time()
-        route = self._free_route() if not self._waiters else None
+        route = self._free_route(weight) if not self._waiters else None
         if route is not None:
-            route.in_flight += 1
+            route.in_flight += self.charge(route, weight)
             return route
         if self.queued >= self.max_queue:
             raise APIError(429, f"the queue of model {self.model!r} is full ({self.max_queue} waiting); retry later",
                            code="queue_full", retry_after=1)
         waiter: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        self._waiters.append((waiter, weight))
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
         except TimeoutError:
@@ -98,17 +107,17 @@ class ModelRoutes:
                            "retry later", code="model_unavailable", retry_after=5) from None
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
-                self.release(waiter.result())
+                self.release(waiter.result(), weight)
             waiter.cancel()
             raise
 
-    def release(self, route: Route) -> None:
-        route.in_flight = max(0, route.in_flight - 1)
+    def release(self, route: Route, weight: int = 1) -> None:
+        route.in_flight = max(0, route.in_flight - self.charge(route, weight))
         self._wake()
 
     def fail_all(self, message: str) -> None:
         """The model went away: every waiter gets a 404."""
         while self._waiters:
-            w = self._waiters.popleft()
+            w, _ = self._waiters.popleft()
             if not w.done():
                 w.set_exception(APIError(404, message, param="model", code="model_not_found"))

@@ -69,7 +69,7 @@ class _SamplingBody(_Body):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1)  # at most the gateway's max_n (LAYERCAST_MAX_N), checked in app.py
     stop: str | list[str] | None = Field(default=None, validate_default=True)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
@@ -113,7 +113,7 @@ class CompletionRequest(_SamplingBody):
                 raise ValueError("prompt must not be empty")
             if all(isinstance(x, str) for x in v):
                 if len(v) != 1:
-                    raise ValueError("only one prompt per request is supported (n=1, one prompt)")
+                    raise ValueError("only one prompt per request is supported (n completions of it: use n)")
                 v = v[0]
         if isinstance(v, str) and not v:
             raise ValueError("prompt must not be empty")

@@ -88,6 +88,7 @@ class GatewayConfig:
     resync_interval_s: float = 5.0
     key_cache_s: float = 5.0  # how long a registry key's lookup is trusted (a revocation's delay)
     usage_flush_s: float = 1.0  # usage is recorded in the registry this often
+    max_n: int = 8  # choices per request at most (each takes a KV slot)
 
 
 MAX_HANDOVERS = 2  # per request: a request that loses three instances fails
@@ -100,31 +101,52 @@ class Piece:
     text: str
     finish_reason: str | None = None
     prompt_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # of every choice so far
     logprob: TokenLogprob | None = None  # the token's, when the request asked for logprobs
+    index: int = 0  # the choice it belongs to (n > 1)
+
+
+class _Choice:
+    """One of a request's n completions, as the client sees it: its own text, stop strings and end."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.token_ids: list[int] = []  # generated so far: a hand-over recomputes their KV elsewhere
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopMatcher(stops)
+        self.expected = 0  # the index of its next TokenEvent
+        self.completion_tokens = 0
+        self.finished = False
 
 
 class Generation:
-    """A dispatched request: iterate it for Pieces; always `close()` it."""
+    """A dispatched request: iterate it for Pieces (of its n choices, interleaved); always `close()` it."""
 
     def __init__(self, gw: "GatewayService", entry: ModelEntry, route: Route, request_id: str,
                  prompt_ids: list[int], sampling: m.SamplingSpec, stops: list[str], started: float, span: trace.Span):
         self.gw, self.entry, self.route, self.request_id = gw, entry, route, request_id
         self.prompt_ids, self.sampling = prompt_ids, sampling
         self.prompt_len, self.started, self.span = len(prompt_ids), started, span
-        self.token_ids: list[int] = []  # generated so far: a hand-over recomputes their KV elsewhere
         self.handovers = 0
         self.switches = 0  # hand-overs of a pipeline's mode switch: planned, not failures
         self.queue: asyncio.Queue[m.TokenEvent] = asyncio.Queue()
-        self.detok = IncrementalDetokenizer(entry.tokenizer)
-        self.stops = StopMatcher(stops)
-        self.completion_tokens = 0
-        self.finished = False
+        self.choices = [_Choice(entry.tokenizer, stops) for _ in range(sampling.n)]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Choice 0's tokens so far (n = 1: the request's)."""
+        return self.choices[0].token_ids
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
 
     async def __aiter__(self) -> AsyncIterator[Piece]:
         model = self.entry.info.name
         last = None
-        expected = 0
         while not self.finished:
             timeout = self.gw.config.first_token_timeout_s if last is None else self.gw.config.token_timeout_s
             try:
@@ -140,14 +162,18 @@ class Generation:
                 if await self._hand_over(ev.error):
                     continue
                 raise APIError(503, f"generation failed: {ev.error}", code="generation_failed", retry_after=1)
-            if ev.index < expected:
-                continue  # a token the instance handed over from had sent already
-            if ev.index != expected:
-                raise APIError(503, f"token stream lost tokens (got {ev.index}, expected {expected})",
+            if ev.choice >= len(self.choices):
+                raise APIError(503, f"token stream names choice {ev.choice} of {len(self.choices)}",
                                code="stream_broken", retry_after=1)
-            expected += 1
+            choice = self.choices[ev.choice]
+            if choice.finished or ev.index < choice.expected:
+                continue  # a token the instance handed over from had sent already, or after a stop string
+            if ev.index != choice.expected:
+                raise APIError(503, f"token stream lost tokens (got {ev.index}, expected {choice.expected})",
+                               code="stream_broken", retry_after=1)
+            choice.expected += 1
             if ev.token_id is not None:
-                self.token_ids.append(ev.token_id)
+                choice.token_ids.append(ev.token_id)
             now = time.perf_counter()
             if last is None:
                 ttft = now - self.started
@@ -158,22 +184,25 @@ class Generation:
                 ITL.labels(model).observe(now - last)
             last = now
             text = ""
+            stops, detok = choice.stops, choice.detok
             if ev.token_id is not None and not (ev.finished and ev.token_id in self.entry.eos_ids):
-                self.completion_tokens += 1
+                choice.completion_tokens += 1
                 GENERATED.labels(model).inc()
-                text = self.stops.feed(self.detok.add(ev.token_id))
+                text = stops.feed(detok.add(ev.token_id))
             elif ev.token_id is not None:
-                self.completion_tokens += 1  # the eos token counts as generated, as in the OpenAI API
+                choice.completion_tokens += 1  # the eos token counts as generated, as in the OpenAI API
             finish = ev.finish_reason if ev.finished else None
-            if self.stops.stopped:
+            if stops.stopped:
                 finish = "stop"
             if finish is not None:
-                if not self.stops.stopped:
-                    text += self.stops.feed(self.detok.finish())
-                    text += self.stops.flush() if not self.stops.stopped else ""
-                    if self.stops.stopped:  # the stop string was in the text held back until the end
+                if not stops.stopped:
+                    text += stops.feed(detok.finish())
+                    text += stops.flush() if not stops.stopped else ""
+                    if stops.stopped:  # the stop string was in the text held back until the end
                         finish = "stop"
-                self.finished = True
+                # With n > 1 the worker goes on with a choice ended by a stop string until its
+                # own end; what it sends for it is dropped above.
+                choice.finished = True
             if ev.token_id is not None or finish is not None:
                 # A chunk per token, its text possibly empty while held back (an incomplete
                 # character, a possible stop string), as vLLM streams: a client sees the first
@@ -181,7 +210,7 @@ class Generation:
                 logprob = None
                 if ev.token_id is not None and ev.logprob is not None:
                     logprob = TokenLogprob(ev.token_id, ev.logprob, tuple(map(tuple, ev.top_logprobs)))
-                yield Piece(text, finish, self.prompt_len, self.completion_tokens, logprob)
+                yield Piece(text, finish, self.prompt_len, self.completion_tokens, logprob, ev.choice)
 
     async def _hand_over(self, why: str) -> bool:
         """Its instance failed or was stopped: go on on another instance, which recomputes the
@@ -192,17 +221,22 @@ class Generation:
         old = self.route
         await publish(self.gw.broker, subjects.worker_cancel(old.worker_id),
                       m.CancelRequest(request_id=self.request_id, instance_id=old.instance_id))
-        self.entry.routes.release(old)
+        self.entry.routes.release(old, self.sampling.n)
         while not self.queue.empty():
             self.queue.get_nowait()  # what the old instance sent is stale
-        log.warning("request %s: %s; handing it over after %d tokens", self.request_id, why, len(self.token_ids))
-        self.span.add_event("handover", {"layercast.reason": why[:200], "layercast.tokens": len(self.token_ids)})
+        tokens = sum(len(c.token_ids) for c in self.choices)
+        log.warning("request %s: %s; handing it over after %d tokens", self.request_id, why, tokens)
+        self.span.add_event("handover", {"layercast.reason": why[:200], "layercast.tokens": tokens})
+        # n > 1: the choices still running go on, each from its own tokens (the prompt is
+        # prefilled once there too); the ended ones stay as they are.
+        resume = {} if self.sampling.n == 1 else {i: list(c.token_ids) for i, c in enumerate(self.choices)
+                                                  if not c.finished}
         try:
             self.route = await self.gw.dispatch(self.entry, self.request_id, self.prompt_ids, self.sampling,
-                                                self.token_ids)
+                                                self.token_ids if self.sampling.n == 1 else (), resume)
         except APIError as e:
             self.route = old
-            old.in_flight += 1  # close() releases it once more
+            old.in_flight += self.entry.routes.charge(old, self.sampling.n)  # close() releases it once more
             log.warning("request %s: hand-over failed: %s", self.request_id, e.message)
             return False
         HANDOVERS.labels(self.entry.info.name).inc()
@@ -210,7 +244,7 @@ class Generation:
 
     async def close(self) -> None:
         self.gw.streams.pop(self.request_id, None)
-        self.entry.routes.release(self.route)
+        self.entry.routes.release(self.route, self.sampling.n)
         if not self.finished:
             await publish(self.gw.broker, subjects.worker_cancel(self.route.worker_id),
                           m.CancelRequest(request_id=self.request_id, instance_id=self.route.instance_id))
@@ -436,18 +470,18 @@ class GatewayService(Service):
             raise
 
     async def dispatch(self, entry: ModelEntry, request_id: str, prompt_ids: list[int], sampling: m.SamplingSpec,
-                       generated_ids: list[int] = ()) -> Route:
-        """Wait for an instance slot and hand the request to its worker; the route it holds."""
+                       generated_ids: list[int] = (), choices: dict[int, list[int]] | None = None) -> Route:
+        """Wait for instance slots (one per choice) and hand the request to its worker; the route it holds."""
         self._demand.set()
         for attempt in range(3):
             with _tracer.start_as_current_span("gateway.queue", attributes={
                     "layercast.model": entry.info.name, "layercast.attempt": attempt}) as queued:
-                route = await entry.routes.acquire(self.config.queue_timeout_s)
+                route = await entry.routes.acquire(self.config.queue_timeout_s, sampling.n)
                 queued.set_attribute("layercast.instance", route.instance_id)
             self._demand.set()
             req = m.GenerateRequest(request_id=request_id, instance_id=route.instance_id,
                                     model=entry.info.name, prompt_ids=prompt_ids, sampling=sampling,
-                                    generated_ids=list(generated_ids),
+                                    generated_ids=list(generated_ids), choices=dict(choices or {}),
                                     reply_subject=subjects.tokens(self.config.gateway_id, request_id))
             try:
                 await call(self.broker, subjects.worker_generate(route.worker_id), req, m.GenerateAccepted)
@@ -456,7 +490,7 @@ class GatewayService(Service):
                 span.set_attribute("layercast.worker", route.worker_id)
                 return route
             except (TimeoutError, RemoteError) as e:
-                entry.routes.release(route)
+                entry.routes.release(route, sampling.n)
                 if isinstance(e, RemoteError) and e.code == "invalid":
                     raise APIError(400, e.error) from e
                 log.warning("dispatch to %s failed (%s); dropping that route", route.instance_id, e)

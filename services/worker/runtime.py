@@ -26,6 +26,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     generated_ids: list[int]
+    choices: dict[int, list[int]] | None = None
 
 
 @dataclass
@@ -67,7 +68,8 @@ class EngineRuntime:
         self._on_failure = on_failure
         self._inbox: queue.Queue = queue.Queue()
         self._engines: dict[str, Engine] = {}
-        self._running: set[tuple[str, str]] = set()  # (instance_id, request_id)
+        # (instance_id, request_id) -> its choices not finished yet
+        self._running: dict[tuple[str, str], int] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopping = False
 
@@ -96,8 +98,8 @@ class EngineRuntime:
             engine.abort_remote_stages(reason)
 
     def submit(self, instance_id: str, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               generated_ids: list[int] = ()) -> None:
-        self._inbox.put(_Add(instance_id, request_id, prompt_ids, params, list(generated_ids)))
+               generated_ids: list[int] = (), choices: dict[int, list[int]] | None = None) -> None:
+        self._inbox.put(_Add(instance_id, request_id, prompt_ids, params, list(generated_ids), choices))
 
     def cancel(self, instance_id: str, request_id: str) -> None:
         self._inbox.put(_Cancel(instance_id, request_id))
@@ -123,7 +125,7 @@ class EngineRuntime:
                 if inst == cmd.instance_id:
                     if engine is not None:
                         engine.cancel(rid)
-                    self._running.discard((inst, rid))
+                    self._running.pop((inst, rid), None)
                     out.append((inst, rid, None, "instance stopped"))
             cmd.done()
         elif isinstance(cmd, _Add):
@@ -132,14 +134,15 @@ class EngineRuntime:
                 out.append((cmd.instance_id, cmd.request_id, None, f"instance {cmd.instance_id} is not on this worker"))
                 return
             try:
-                engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, generated_ids=cmd.generated_ids)
-                self._running.add((cmd.instance_id, cmd.request_id))
+                engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, generated_ids=cmd.generated_ids,
+                                   choices=cmd.choices)
+                self._running[(cmd.instance_id, cmd.request_id)] = len(cmd.choices or range(cmd.params.n))
             except (AdmissionError, ValueError) as e:
                 out.append((cmd.instance_id, cmd.request_id, None, str(e)))
         elif isinstance(cmd, _Cancel):
             key = (cmd.instance_id, cmd.request_id)
             if key in self._running:
-                self._running.discard(key)
+                del self._running[key]
                 if cmd.instance_id in self._engines:
                     self._engines[cmd.instance_id].cancel(cmd.request_id)
 
@@ -173,14 +176,16 @@ class EngineRuntime:
                         if key not in self._running:
                             continue  # cancelled while this step ran
                         out.append((instance_id, o.request_id, o, None))
-                        if o.finished:
-                            self._running.discard(key)
+                        if o.finished:  # a choice ended; the request, once all have
+                            self._running[key] -= 1
+                            if not self._running[key]:
+                                del self._running[key]
                 except Exception as e:  # a failing step fails its requests, not the worker
                     log.exception("engine step failed on %s", instance_id)
                     for inst, rid in list(self._running):
                         if inst == instance_id:
                             engine.cancel(rid)
-                            self._running.discard((inst, rid))
+                            del self._running[(inst, rid)]
                             out.append((inst, rid, None, f"engine error: {e}"))
                     if self._on_failure is not None:
                         self._loop.call_soon_threadsafe(self._on_failure, instance_id, e)

@@ -153,8 +153,9 @@ class _Request:
     mode: str  # the instance's: local or pipeline
     reply_subject: str
     span: trace.Span
-    next_index: int = 0
+    next_index: dict[int, int]  # per choice still running: the index of its next token
     streamed: bool = False  # a token went out (its hop is in the trace)
+    sent: int = 0
 
 
 class WorkerService(Service):
@@ -371,25 +372,31 @@ class WorkerService(Service):
             req = self.requests.get(request_id)
             if req is None or req.instance_id != instance_id:
                 continue  # ended, or handed over to another instance here (what the old one sent is stale)
-            if error is not None:
-                ev = m.TokenEvent(request_id=request_id, index=req.next_index, finished=True,
-                                  finish_reason="error", error=error, instance_id=instance_id)
+            if error is not None:  # the whole request (every choice) failed
+                choice = min(req.next_index)
+                ev = m.TokenEvent(request_id=request_id, index=req.next_index[choice], finished=True,
+                                  finish_reason="error", error=error, instance_id=instance_id, choice=choice)
+                req.next_index.clear()
             else:
-                ev = m.TokenEvent(request_id=request_id, index=req.next_index, token_id=out.token_id,
+                ev = m.TokenEvent(request_id=request_id, index=req.next_index[out.choice], token_id=out.token_id,
                                   finished=out.finished, finish_reason=out.finish_reason,
                                   prompt_tokens=out.prompt_tokens, instance_id=instance_id,
-                                  logprob=out.logprob, top_logprobs=list(out.top_logprobs))
+                                  logprob=out.logprob, top_logprobs=list(out.top_logprobs), choice=out.choice)
                 self._tokens_since += 1
+                req.sent += 1
                 TOKENS.labels(req.model, req.mode).inc()
+                req.next_index[out.choice] += 1
+                if out.finished:
+                    del req.next_index[out.choice]
             # A request's trace shows the first and the last token's hop back to the gateway; the
             # ones between still carry its traceparent but unsampled (no spans per token).
-            traced = not req.streamed or ev.finished
+            done = not req.next_index  # its last choice ended
+            traced = not req.streamed or done
             req.streamed = True
-            req.next_index += 1
             with trace.use_span(req.span if traced else unsampled(req.span)):
                 await publish(self.broker, req.reply_subject, ev)
-            if ev.finished:
-                req.span.set_attribute("layercast.completion_tokens", req.next_index)
+            if done:
+                req.span.set_attribute("layercast.completion_tokens", req.sent)
                 req.span.end()
                 del self.requests[request_id]
 
@@ -482,12 +489,19 @@ class WorkerService(Service):
                                         seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
                                         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                                         repetition_penalty=s.repetition_penalty, logprobs=s.logprobs,
-                                        grammar=s.grammar)
+                                        grammar=s.grammar, n=s.n)
                 if s.grammar is not None:
                     # Read the tokenizer for grammars here, off the engine thread (once per model).
                     await asyncio.to_thread(grammar_tokenizer, inst.path)
             except (ValueError, OSError) as e:
                 raise DomainError(str(e)) from e
+            if inst.info.max_batch is not None and s.n > inst.info.max_batch:
+                raise DomainError(f"n={s.n} choices need as many KV slots; instance {req.instance_id} has "
+                                  f"{inst.info.max_batch}")
+            if s.n > 1 and req.generated_ids:
+                raise DomainError("an n > 1 request resumes with `choices`, not generated_ids")
+            # The choices to run, and the index of each one's next token.
+            choices = req.choices or ({0: req.generated_ids} if s.n == 1 else {c: [] for c in range(s.n)})
             span = _tracer.start_span("worker.generate", attributes={
                 "layercast.model": req.model, "layercast.worker": wid, "layercast.instance": req.instance_id,
                 "layercast.prompt_tokens": len(req.prompt_ids)})
@@ -496,8 +510,9 @@ class WorkerService(Service):
             if (old := self.requests.get(req.request_id)) is not None:
                 old.span.end()  # handed over from another instance here: that run is over
             self.requests[req.request_id] = _Request(req.instance_id, req.model, inst.info.mode, req.reply_subject,
-                                                     span, next_index=len(req.generated_ids))
-            self.runtime.submit(req.instance_id, req.request_id, req.prompt_ids, params, req.generated_ids)
+                                                     span, next_index={c: len(ids) for c, ids in choices.items()})
+            self.runtime.submit(req.instance_id, req.request_id, req.prompt_ids, params, req.generated_ids,
+                                req.choices or None)
             return m.GenerateAccepted(request_id=req.request_id, queued=self.runtime.running(req.instance_id))
 
         @b.subscriber(subjects.worker_rdma_connect(wid))

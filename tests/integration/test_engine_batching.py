@@ -377,3 +377,39 @@ def test_a_step_waiting_on_a_silent_stage_ends_when_aborted_not_at_its_timeout(f
         finally:
             silent.set()
             server.close()
+
+
+def test_n_choices_over_a_remote_stage_fork_its_kv_there(four_blocks, expected):
+    """n > 1 in a pipeline whose second stage is on another worker (a StageServer over TCP): the
+    prompt's KV is copied on that worker too (RemoteStage.fork), the prompt goes through it once,
+    and each seeded choice samples as an n=1 request with seed + i through a local engine."""
+    index = CheckpointIndex.load(four_blocks)
+    blocks = {b: load_block(four_blocks, index, b) for b in range(4)}
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_NEW, seed=3, n=3)
+    local = Engine.from_checkpoint(four_blocks, max_batch_size=8, max_seq_len=128, eos_token_ids=())
+    want = []
+    for c in range(3):
+        local.add_request(f"s{c}", PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=MAX_NEW, seed=3 + c))
+        want.append(drain(local)[f"s{c}"])
+    with TcpTransport("entry") as t, TcpTransport("host") as h:
+        server = StageServer(h, {"entry": t.address})
+        try:
+            far = LocalStage(LayerRange(index, blocks, 2, 4), 8, 128)
+            prefilled = []
+            forward = far.forward
+            far.forward = lambda ids, x, q_len, keep=0: (prefilled.append(len(ids) * q_len) if q_len > 1 else None,
+                                                          forward(ids, x, q_len, keep))[1]
+            server.add("stage", far)
+            engine = Engine(index, stages=[LocalStage(LayerRange(index, blocks, 0, 2), 8, 128),
+                                           RemoteStage(t, "host", h.address, "stage", slots=8)],
+                            max_batch_size=8, max_seq_len=128, eos_token_ids=())
+            engine.add_request("r", PROMPTS[0], params)
+            got: dict[int, list[int]] = {}
+            while engine.has_work():
+                for o in engine.step():
+                    got.setdefault(o.choice, []).append(o.token_id)
+            assert [got[c] for c in range(3)] == want
+            assert prefilled == [len(PROMPTS[0])]
+            assert far.kv.free_slots == 8  # every choice's slot closed there
+        finally:
+            server.close()

@@ -168,6 +168,9 @@ def test_chat_penalties_change_the_output_as_the_engine_does(client, tokenizer, 
     ("/v1/completions", {"logprobs": -1}, "logprobs"),
     ("/v1/completions", {"presence_penalty": -2.01}, "presence_penalty"),
     ("/v1/completions", {"echo": True, "logprobs": 1}, "logprobs"),  # the prompt's logprobs: not computed
+    ("/v1/completions", {"n": 9}, "n"),  # above LAYERCAST_MAX_N (8 by default)
+    ("/v1/chat/completions", {"n": 9}, "n"),
+    ("/v1/chat/completions", {"n": 0}, "n"),
 ])
 def test_out_of_range_parameters_are_a_400_naming_them(cluster, path, body, param):
     base = ({"model": "tiny", "messages": CHAT} if "chat" in path else {"model": "tiny", "prompt": "x"})
@@ -211,3 +214,72 @@ def test_a_handed_over_request_keeps_its_penalties_and_logprobs(cluster):
         assert [e.logprob for e in resumed] == pytest.approx([e.logprob for e in full[at:]], abs=1e-4)
         assert [[t for t, _ in e.top_logprobs] for e in resumed] == [[t for t, _ in e.top_logprobs]
                                                                     for e in full[at:]]
+
+
+def test_n_completions_non_streamed_and_streamed_are_the_engines_choices(client, tokenizer, engine):
+    """n=3 with a seed: choice i is what the engine samples with seed + i (the prompt prefilled
+    once on the worker, its KV copied to each choice), streamed and not, with usage summed."""
+    params = dict(max_tokens=12, temperature=1.0, seed=42)
+    want = [engine_run(engine, PROMPT, **{**params, "seed": 42 + i}) for i in range(3)]
+    assert len({tuple(w) for w in want}) == 3
+    texts = [tokenizer.decode(w, skip_special_tokens=True) for w in want]
+    done = client.completions.create(model="tiny", prompt=PROMPT, n=3, logprobs=1, **params)
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert [c.text for c in done.choices] == texts
+    assert [len(c.logprobs.tokens) for c in done.choices] == [len(w) for w in want]
+    assert all(c.finish_reason in ("stop", "length") for c in done.choices)
+    assert done.usage.prompt_tokens == len(PROMPT)
+    assert done.usage.completion_tokens == sum(map(len, want))
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, n=3, stream=True,
+                                            stream_options={"include_usage": True}, **params))
+    assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens and not chunks[-1].choices
+    per = {i: [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i] for i in range(3)}
+    assert set(per) == {c.choices[0].index for c in chunks if c.choices}
+    assert ["".join(x.text for x in per[i]) for i in range(3)] == texts
+    assert [[x.finish_reason for x in per[i] if x.finish_reason] for i in range(3)] == [
+        [c.finish_reason] for c in done.choices]
+
+
+def test_n_chat_completions_non_streamed_and_streamed(client, tokenizer, engine):
+    prompt = chat_prompt(tokenizer)
+    params = dict(max_tokens=10, temperature=0.9, seed=7)
+    want = [engine_run(engine, prompt, **{**params, "seed": 7 + i}) for i in range(3)]
+    texts = [tokenizer.decode(w, skip_special_tokens=True) for w in want]
+    full = client.chat.completions.create(model="tiny", messages=CHAT, n=3, logprobs=True, **params)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    assert [c.message.content for c in full.choices] == texts
+    assert [len(c.logprobs.content) for c in full.choices] == [len(w) for w in want]
+    assert full.usage.prompt_tokens == len(prompt) and full.usage.completion_tokens == sum(map(len, want))
+    stream = list(client.chat.completions.create(model="tiny", messages=CHAT, n=3, stream=True, **params))
+    per = {i: [c.choices[0] for c in stream if c.choices[0].index == i] for i in range(3)}
+    assert set(per) == {c.choices[0].index for c in stream}
+    assert all(per[i][0].delta.role == "assistant" for i in range(3))  # each choice's first chunk
+    assert ["".join(x.delta.content or "" for x in per[i]) for i in range(3)] == texts
+    assert [[x.finish_reason for x in per[i] if x.finish_reason] for i in range(3)] == [
+        [c.finish_reason] for c in full.choices]
+    # Greedy: every choice is the one greedy completion.
+    greedy = client.chat.completions.create(model="tiny", messages=CHAT, n=2, max_tokens=8, temperature=0)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
+def test_a_handed_over_n_request_resumes_its_unfinished_choices(cluster):
+    """The hand-over message of an n > 1 request: `choices` names the choices still running
+    with their tokens so far; each goes on from its own index, an ended one is not run again."""
+    admin = httpx.Client(base_url=cluster.gateway_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    (inst,) = [i for i in admin.get("/admin/v1/cluster").json()["instances"]
+               if i["model"] == "tiny" and i["state"] == "ready"]
+    worker = inst["stages"][0]["worker_id"]
+    spec = m.SamplingSpec(temperature=0, max_tokens=10, n=3, stop_token_ids=[])
+    full = generate_on_worker(cluster.nats_url, worker, inst["instance_id"], PROMPT, spec)
+    assert not any(e.error for e in full)
+    runs = {c: [e.token_id for e in full if e.choice == c] for c in range(3)}
+    tokens = runs[0]
+    assert runs[1] == runs[2] == tokens and len(tokens) > 4  # greedy: n equal choices
+    assert [e.index for e in full if e.choice == 1] == list(range(len(tokens)))
+    resumed = generate_on_worker(cluster.nats_url, worker, inst["instance_id"], PROMPT, spec,
+                                 choices={0: tokens[:4], 2: []})
+    assert not any(e.error for e in resumed) and {e.choice for e in resumed} == {0, 2}
+    assert [e.index for e in resumed if e.choice == 0] == list(range(4, len(tokens)))
+    assert tokens[:4] + [e.token_id for e in resumed if e.choice == 0] == tokens
+    assert [e.token_id for e in resumed if e.choice == 2] == tokens
+    assert [e.finished for e in resumed].count(True) == 2

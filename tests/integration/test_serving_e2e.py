@@ -193,7 +193,7 @@ def test_every_bad_request_gets_an_openai_error(cluster):
     assert_openai_error(c.post("/v1/completions", json={**ok, "top_p": 0}), 400, "top_p")
     assert_openai_error(c.post("/v1/completions", json={**ok, "max_tokens": 0}), 400, "max_tokens")
     assert_openai_error(c.post("/v1/completions", json={**ok, "max_tokens": 10**6}), 400, "max_tokens")
-    assert_openai_error(c.post("/v1/completions", json={**ok, "n": 3}), 400, "n")
+    assert_openai_error(c.post("/v1/completions", json={**ok, "n": 9}), 400, "n")  # above LAYERCAST_MAX_N (8)
     assert_openai_error(c.post("/v1/completions", json={**ok, "stop": ["a", "b", "c", "d", "e"]}), 400, "stop")
     assert_openai_error(c.post("/v1/completions", json={"model": "tiny"}), 400, "prompt")
     assert_openai_error(c.post("/v1/completions", json={**ok, "prompt": [1, 10**9]}), 400, "prompt")
