@@ -112,6 +112,33 @@ def test_tool_choice_required_returns_a_parseable_tool_call(client, seed):
     assert not "".join(c.choices[0].delta.content or "" for c in chunks)
 
 
+def test_each_of_n_choices_is_its_own_constrained_call_streamed_and_not(client):
+    # n = 3 seeded choices: one grammar state and one call parser per choice, each call parseable.
+    out = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required",
+                                         max_tokens=200, seed=11, n=3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    calls = []
+    for c in out.choices:
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        (call,) = c.message.tool_calls
+        check_call(call)
+        calls.append(call.function.arguments)
+    streamed = [c for c in client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS,
+                                                          tool_choice="required", max_tokens=200, seed=11, n=3,
+                                                          stream=True) if c.choices]
+    for i in range(3):
+        mine = [c.choices[0] for c in streamed if c.choices[0].index == i]
+        deltas = [d for c in mine for d in (c.delta.tool_calls or [])]
+        assert "".join(d.function.arguments or "" for d in deltas) == calls[i]
+        assert mine[-1].finish_reason == "tool_calls"
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=60, seed=5, n=2,
+                                         response_format=json_schema_format(schema))
+    for c in out.choices:
+        jsonschema.validate(json.loads(c.message.content), schema)
+
+
 def test_a_named_tool_is_the_one_called_and_the_conversation_goes_on(client):
     for name in ("get_time", "get_weather"):
         out = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, max_tokens=200, seed=7,
