@@ -8,20 +8,19 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llguidance import LLMatcher
 from schema_strategies import SCHEMAS
 
-from conftest import generate_on_worker, running_cluster
+from conftest import generate_on_worker
 from libs.protocol import messages as m
-from libs.protocol import subjects
+# The same one-worker cluster on the tiny model (a module's own instance of each fixture).
+from test_sampling_e2e import ADMIN_KEY, API_KEY, client, cluster  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
-API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 12},
@@ -32,21 +31,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "description": "The time now"}}]
 NO_ARGS = {"type": "object", "properties": {}, "additionalProperties": False}
 PARAMS = {"get_weather": WEATHER, "get_time": NO_ARGS}
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
-    with running_cluster(
-            postgres_server_url, tiny_checkpoint, dict(min_instances=1, max_instances=1, keep_alive_s=600),
-            state_dir=tmp_path_factory.mktemp("cluster"), api_key=API_KEY, admin_key=ADMIN_KEY, workers=1,
-            # The hand-over test talks to the worker directly: the cluster uses this process's namespace.
-            nats_url=nats_url, namespace=subjects.PREFIX, heartbeat_ttl_s=2.0) as state:
-        yield state
-
-
-@pytest.fixture(scope="module")
-def client(cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.gateway_url + "/v1", api_key=API_KEY, timeout=120)
 
 
 def json_schema_format(schema: dict) -> dict:
