@@ -92,6 +92,20 @@ def running_cluster(postgres_server_url: str, checkpoint: Path, deploy: dict, em
             stop_processes(state.processes)
 
 
+TEST_API_KEY, TEST_ADMIN_KEY = "sk-test-api", "sk-test-admin"
+
+
+@contextmanager
+def one_worker_cluster(tmp_path_factory, postgres_server_url: str, checkpoint: Path, nats_url: str, namespace: str,
+                       model: str = "tiny"):
+    """`checkpoint` kept warm on one worker (one instance, a long keep-alive), with the test keys."""
+    with running_cluster(postgres_server_url, checkpoint, dict(min_instances=1, max_instances=1, keep_alive_s=600),
+                         model=model, state_dir=tmp_path_factory.mktemp("cluster"), api_key=TEST_API_KEY,
+                         admin_key=TEST_ADMIN_KEY, workers=1, nats_url=nats_url, namespace=namespace,
+                         heartbeat_ttl_s=2.0) as state:
+        yield state
+
+
 @pytest.fixture
 def database_url(postgres_server_url) -> str:
     with fresh_database(postgres_server_url) as url:

@@ -25,12 +25,6 @@ def _prompt(length: int, vocab: int, salt: int) -> list[int]:
     return [(7 + 31 * i + 101 * salt) % (vocab - 1) + 1 for i in range(length)]
 
 
-def _drain(engine: Engine) -> None:
-    # The engine's own bookkeeping (same package): every request left, dropped.
-    for rid in list(engine._active) + list(engine._queue):
-        engine.cancel(rid)
-
-
 def measure_profile(make_engine: Callable[[int, int], Engine], max_len: int, max_batch: int,
                     repeats: int = 3) -> Profile:
     """A :class:`Profile` measured on engines from `make_engine(max_batch_size, max_seq_len)`.
@@ -63,18 +57,21 @@ def measure_profile(make_engine: Callable[[int, int], Engine], max_len: int, max
         for k in range(repeats):
             engine.add_request(f"p{n}-{k}", _prompt(n, engine.vocab_size, k), greedy)
             times.append(timed_step())
-            _drain(engine)
+            engine.cancel(f"p{n}-{k}")
         prefill.append(statistics.median(times))
 
     decode = []
     for b in batches:
         row = []
         for n in lengths:
-            for k in range(b):
-                engine.add_request(f"d{k}", _prompt(n, engine.vocab_size, k), greedy)
-            while any(r.pending for r in engine._active.values()) or engine._queue:
-                engine.step()  # prefill, untimed
+            ids = [f"d{b}-{n}-{k}" for k in range(b)]
+            for k, rid in enumerate(ids):
+                engine.add_request(rid, _prompt(n, engine.vocab_size, k), greedy)
+            # The whole batch's prefill in one untimed step (the budget holds it): every row decodes next.
+            if len(engine.step()) != b:
+                raise RuntimeError(f"the prefill of {b} x {n} tokens did not fit one step")
             row.append(statistics.median(timed_step() for _ in range(repeats)))
-            _drain(engine)
+            for rid in ids:
+                engine.cancel(rid)
         decode.append(tuple(row))
     return Profile(lengths, tuple(prefill), batches, lengths, tuple(decode))

@@ -15,23 +15,20 @@ from transformers import AutoTokenizer
 from libs.engine import Engine, SamplingParams
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from conftest import generate_on_worker, running_cluster
+from conftest import TEST_ADMIN_KEY, TEST_API_KEY, generate_on_worker, one_worker_cluster
 from conftest_models import reference_model
 
 pytestmark = pytest.mark.slow
 
-API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
+API_KEY, ADMIN_KEY = TEST_API_KEY, TEST_ADMIN_KEY
 PROMPT = [1, 17, 200, 45, 301, 99, 7, 450, 12, 64]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the sea."}]
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
-    with running_cluster(
-            postgres_server_url, tiny_checkpoint, dict(min_instances=1, max_instances=1, keep_alive_s=600),
-            state_dir=tmp_path_factory.mktemp("cluster"), api_key=API_KEY, admin_key=ADMIN_KEY, workers=1,
-            # The hand-over test talks to the worker directly: the cluster uses this process's namespace.
-            nats_url=nats_url, namespace=subjects.PREFIX, heartbeat_ttl_s=2.0) as state:
+    # The hand-over test talks to the worker directly: the cluster uses this process's namespace.
+    with one_worker_cluster(tmp_path_factory, postgres_server_url, tiny_checkpoint, nats_url, subjects.PREFIX) as state:
         yield state
 
 

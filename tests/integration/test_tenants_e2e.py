@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from typer.testing import CliRunner
 
-from conftest import running_cluster, wait_for
+from conftest import TEST_ADMIN_KEY, TEST_API_KEY, one_worker_cluster, wait_for
 from services.cli.app import app as cli
 from services.cli.app import console as cli_console
 from services.cli.app import deploy_model
@@ -20,15 +20,13 @@ from test_serving_e2e import assert_openai_error
 
 pytestmark = pytest.mark.slow
 
-API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
+API_KEY, ADMIN_KEY = TEST_API_KEY, TEST_ADMIN_KEY
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
-    with running_cluster(
-            postgres_server_url, tiny_checkpoint, dict(min_instances=1, max_instances=1, keep_alive_s=600),
-            state_dir=tmp_path_factory.mktemp("cluster"), api_key=API_KEY, admin_key=ADMIN_KEY, workers=1,
-            nats_url=nats_url, namespace=f"lck{uuid.uuid4().hex[:8]}", heartbeat_ttl_s=2.0) as state:
+    with one_worker_cluster(tmp_path_factory, postgres_server_url, tiny_checkpoint, nats_url,
+                            f"lck{uuid.uuid4().hex[:8]}") as state:
         # A second model, never asked to run: a key limited to "tiny" must not see it.
         deploy_model(state, "other", tiny_checkpoint)
         yield state

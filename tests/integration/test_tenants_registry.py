@@ -7,23 +7,15 @@ import hashlib
 import psycopg
 import pytest
 
-from libs.bus.broker import RemoteError, call, make_broker, start_broker
+from libs.bus.broker import RemoteError, call
 from libs.db.session import make_engine, migrate
 from libs.db.store import RegistryStore
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from test_registry import started
+from test_registry import client, started  # noqa: F401 (client: the broker fixture)
 
 SECRET = "sk-lc-registry-test-secret-0123456789"
 HASH = hashlib.sha256(SECRET.encode()).hexdigest()
-
-
-@pytest.fixture
-async def client(nats_url):
-    broker = make_broker(nats_url)
-    await start_broker(broker)
-    yield broker
-    await broker.stop()
 
 
 def new_key(name: str = "team-a", key_hash: str = HASH, **extra) -> m.CreateApiKey:
