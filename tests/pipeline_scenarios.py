@@ -94,7 +94,27 @@ def warm(cluster) -> str:
     wait_for(lambda: sum(i["state"] == "ready" for i in described(cluster)["instances"]) == 2, 90,
              "two warm instances")
     wait_for(lambda: all(i["loaded_at"] for i in described(cluster)["instances"]), 30, "both loaded")
+    # The precondition of a k = 2 plan: both copies in the registry's view, from live workers.
+    wait_for(lambda: len(host_copies(cluster)) >= 2, 30, "two full host copies on live workers")
     return complete(cluster)
+
+
+def host_copies(cluster) -> list[str]:
+    """The live workers holding every block of the model in host memory (multicast sources)."""
+    view = httpx.get(f"{cluster.gateway_url}/admin/v1/cluster", timeout=10,
+                     headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+    blocks = {b["block_id"] for x in view["models"] if x["name"] == "tiny" for b in x["blocks"]}
+    held: dict[str, set[int]] = {}
+    for r in view["replicas"]:
+        if r["model"] == "tiny" and r["tier"] == "host" and r["state"] == "ready":
+            held.setdefault(r["worker_id"], set()).add(r["block_id"])
+    return [w["worker_id"] for w in view["workers"] if w["state"] == "alive" and blocks <= held.get(w["worker_id"], set())]
+
+
+def expirations(cluster) -> list[str]:
+    """The registry's log lines on workers it took for dead (why a plan lost a worker)."""
+    return [line for p in cluster.processes if p.name == "registry"
+            for line in open(p.log, errors="replace") if "expired" in line]
 
 
 def scale_out_done(cluster):
@@ -111,13 +131,14 @@ def serves_before_any_receiver_holds_the_model_then_switches(cluster, nats_url):
         time.sleep(1.0)  # requests moved by the switch finish on the local instances
     texts, errors = clients.texts, clients.errors
 
-    assert op["plan"]["algorithm"] == "binomial" and op["plan"]["k"] == 2
+    # Both warm workers send (k = 2): a source missing here was taken for dead or lost its copy.
+    assert op["plan"]["algorithm"] == "binomial" and op["plan"]["k"] == 2, (op, expirations(cluster))
     assert op["plan"]["pipelines"] == [sorted(op["plan"]["receivers"], key=op["plan"]["receivers"].index)]
     timings = op["timings"]
     ready = [t for k, t in timings.items() if k.startswith("pipeline_ready:")]
     loaded = [t for k, t in timings.items() if k.startswith("loaded:")]
     switched = [t for k, t in timings.items() if k.startswith("switched:")]
-    assert len(ready) == 1 and len(loaded) == 2 and len(switched) == 1
+    assert len(ready) == 1 and len(loaded) == 2 and len(switched) == 1, (op, expirations(cluster))
     # The pipeline served before either receiver held the whole model, and retired after both did.
     assert ready[0] < min(loaded) <= max(loaded) <= switched[0]
     assert tokens_by_mode(cluster, "pipeline") > 0

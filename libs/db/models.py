@@ -6,7 +6,7 @@ Times are timezone-aware UTC timestamps; JSON columns are JSONB on Postgres.
 
 from datetime import datetime
 
-from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Integer, String, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -49,6 +49,8 @@ class Model(Base):
     scaling_mode: Mapped[str] = mapped_column(String(32), default="layercast")
     policy: Mapped[str] = mapped_column(String(32), default="concurrency")  # the load-monitor's policy
     policy_params: Mapped[dict] = mapped_column(Json, default=dict, server_default="{}")  # parameter -> value
+    ttft_slo_s: Mapped[float | None] = mapped_column(Float, nullable=True)  # None: max(2, prompt tokens / 512) s
+    tpot_slo_s: Mapped[float] = mapped_column(Float, default=0.25, server_default="0.25")
     state: Mapped[str] = mapped_column(String(16), index=True)  # deployed | deleted
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
@@ -90,7 +92,25 @@ class Instance(Base):
     ready_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     loaded_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     max_batch: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    device: Mapped[str] = mapped_column(String(16), default="cpu", server_default="cpu")  # cpu | cuda
     stopped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class ModelProfileRow(Base):
+    """A model's measured iteration times on one device kind (LLM-Mesh §5.2), replaced by each
+    new measurement. No foreign key: a deleted model's profiles stay for its redeploy."""
+
+    __tablename__ = "model_profiles"
+
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    device: Mapped[str] = mapped_column(String(16), primary_key=True)  # cpu | cuda
+    prefill_lengths: Mapped[list] = mapped_column(Json)
+    prefill_s: Mapped[list] = mapped_column(Json)
+    batches: Mapped[list] = mapped_column(Json)
+    lengths: Mapped[list] = mapped_column(Json)
+    decode_s: Mapped[list] = mapped_column(Json)  # len(batches) rows of len(lengths) seconds
+    measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    source: Mapped[str] = mapped_column(Text, default="", server_default="")  # a worker id, or "cli"
 
 
 class ScaleOperation(Base):

@@ -11,7 +11,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from libs.db.session import make_sessionmaker, write_sessionmaker
-from libs.db.models import ApiKey, BlockReplica, Instance, KeyUsage, Model, ModelBlock, ScaleOperation, Worker
+from libs.db.models import (ApiKey, BlockReplica, Instance, KeyUsage, Model, ModelBlock, ModelProfileRow,
+                             ScaleOperation, Worker)
 from libs.protocol import messages as m
 
 
@@ -57,6 +58,8 @@ def _model_info(row: Model, blocks: list[ModelBlock]) -> m.ModelInfo:
         scaling_mode=row.scaling_mode,
         policy=row.policy,
         policy_params=row.policy_params or {},
+        ttft_slo_s=row.ttft_slo_s,
+        tpot_slo_s=row.tpot_slo_s,
         state=row.state,
         created_at=to_ts(row.created_at),
     )
@@ -74,7 +77,14 @@ def _instance_info(row: Instance) -> m.InstanceInfo:
         loaded_at=to_ts(row.loaded_at),
         scale_op_id=row.scale_op_id,
         max_batch=row.max_batch,
+        device=row.device,
     )
+
+
+def _profile_message(row: ModelProfileRow) -> m.ModelProfile:
+    return m.ModelProfile(model=row.model, device=row.device, prefill_lengths=row.prefill_lengths,
+                          prefill_s=row.prefill_s, batches=row.batches, lengths=row.lengths, decode_s=row.decode_s,
+                          measured_at=to_ts(row.measured_at), source=row.source)
 
 
 def _scale_op_info(row: ScaleOperation) -> m.ScaleOpInfo:
@@ -191,6 +201,7 @@ class RegistryStore:
             row.keep_alive_s, row.max_queue = req.keep_alive_s, req.max_queue
             row.scaling_mode = req.scaling_mode
             row.policy, row.policy_params = req.policy, dict(req.policy_params)
+            row.ttft_slo_s, row.tpot_slo_s = req.ttft_slo_s, req.tpot_slo_s
             row.state, row.created_at = "deployed", to_dt(time.time())
             blocks = [ModelBlock(model=req.name, **b.model_dump()) for b in req.blocks]
             s.add_all(blocks)
@@ -258,6 +269,7 @@ class RegistryStore:
                 state="loading",
                 scale_op_id=req.scale_op_id,
                 created_at=to_dt(time.time()),
+                device=req.device,
             )
             s.add(row)
             await s.flush()
@@ -288,6 +300,10 @@ class RegistryStore:
                 row.loaded_at = to_dt(info.loaded_at)
             if info.max_batch is not None:
                 row.max_batch = info.max_batch
+            if info.device != "cpu":
+                # "cpu" is also what a sender that does not know says (the planner's events); an
+                # instance's device never changes, so only another kind, from its worker, is news.
+                row.device = info.device
             if info.state in (m.InstanceState.stopped, m.InstanceState.failed):
                 row.stopped_at = to_dt(time.time())
 
@@ -354,6 +370,27 @@ class RegistryStore:
                                  scale_ops=await _recent_scale_ops(s, recent_scale_ops),
                                  epoch=self.epoch, changes=changes)
 
+
+    # --- LLM-Mesh performance profiles ----------------------------------------------------------------
+
+    async def put_profile(self, profile: m.ModelProfile) -> m.ModelProfile:
+        """Store a model's profile on a device kind, replacing the one measured before."""
+        async with self.writes.begin() as s:
+            row = await s.get(ModelProfileRow, (profile.model, profile.device), with_for_update=True)
+            if row is None:
+                row = ModelProfileRow(model=profile.model, device=profile.device)
+                s.add(row)
+            row.prefill_lengths, row.prefill_s = list(profile.prefill_lengths), list(profile.prefill_s)
+            row.batches, row.lengths = list(profile.batches), list(profile.lengths)
+            row.decode_s = [list(r) for r in profile.decode_s]
+            row.measured_at, row.source = to_dt(profile.measured_at), profile.source
+            await s.flush()
+            return _profile_message(row)
+
+    async def get_profile(self, model: str, device: str) -> m.ModelProfile | None:
+        async with self.sessions() as s:
+            row = await s.get(ModelProfileRow, (model, device))
+            return None if row is None else _profile_message(row)
 
     # --- API keys and usage ---------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -31,7 +32,8 @@ def measure_profile(make_engine: Callable[[int, int], Engine], max_len: int, max
 
     Prefill: one request of each sampled length, the step that prefills it timed (the prefill
     chunk is raised to the length, so one step is one prefill). Decode: for each sampled batch
-    size and mean length, that many requests prefilled, then `repeats` decode steps timed."""
+    size and mean length, one prompt prefilled and forked into that many rows, then `repeats`
+    decode steps timed."""
     lengths, batches = sample_points(max_len), sample_points(max_batch)
     engine = make_engine(max_batch, max_len + repeats + 2)
     # One step prefills a whole sampled batch, so no row decodes before the timed steps.
@@ -64,14 +66,14 @@ def measure_profile(make_engine: Callable[[int, int], Engine], max_len: int, max
     for b in batches:
         row = []
         for n in lengths:
-            ids = [f"d{b}-{n}-{k}" for k in range(b)]
-            for k, rid in enumerate(ids):
-                engine.add_request(rid, _prompt(n, engine.vocab_size, k), greedy)
-            # The whole batch's prefill in one untimed step (the budget holds it): every row decodes next.
-            if len(engine.step()) != b:
-                raise RuntimeError(f"the prefill of {b} x {n} tokens did not fit one step")
+            # One prompt prefilled once and its KV copied into b rows (n = b choices): a decode
+            # step over b rows of n tokens costs what b distinct requests would, and the profile
+            # pays n tokens of prefill for it instead of b x n.
+            rid = f"d{b}-{n}"
+            engine.add_request(rid, _prompt(n, engine.vocab_size, b), replace(greedy, n=b))
+            if len(engine.step()) != b:  # the untimed prefill: every row decodes next
+                raise RuntimeError(f"the prefill of {n} tokens for {b} rows did not fit one step")
             row.append(statistics.median(timed_step() for _ in range(repeats)))
-            for rid in ids:
-                engine.cancel(rid)
+            engine.cancel(rid)
         decode.append(tuple(row))
     return Profile(lengths, tuple(prefill), batches, lengths, tuple(decode))

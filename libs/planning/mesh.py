@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -38,6 +38,7 @@ __all__ = [
     "Profile",
     "RunningRequest",
     "Validation",
+    "bin_packing_key",
     "candidate_order",
     "complete",
     "default_ttft_slo",
@@ -46,6 +47,7 @@ __all__ = [
     "kv_grant",
     "kv_require",
     "kv_resize",
+    "most_urgent",
     "next_instance",
     "preemption_candidates",
     "sample_points",
@@ -146,6 +148,7 @@ class MeshInstance:
     profile: Profile
     requests: tuple[RunningRequest, ...] = ()
     device: str = "cpu"
+    token_budget: int = 2048  # tokens an engine step computes at most (libs.engine's default)
 
     @property
     def batch(self) -> int:
@@ -156,18 +159,23 @@ class MeshInstance:
 
     def iteration(self) -> tuple[float, tuple[str, ...]]:
         """The next iteration's time and the requests it gives a token, as the engine steps: one
-        decode over every request past its prefill, plus the prefill of the earliest request
-        still waiting for one (prefill and decode times are profiled apart and add up)."""
+        decode over every request past its prefill, plus one batched prefill of the requests
+        still waiting for one, in arrival order while their prompts fit the step's token budget
+        (the first always; prefill and decode times are profiled apart and add up)."""
         decoding = [r for r in self.requests if r.generated > 0]
-        waiting = [r for r in self.requests if r.generated == 0]
+        waiting = sorted((r for r in self.requests if r.generated == 0), key=lambda r: (r.start, r.id))
         seconds, served = 0.0, [r.id for r in decoding]
         if decoding:
             mean_len = sum(r.prompt_len + r.generated for r in decoding) / len(decoding)
             seconds = self.profile.decode_time(len(decoding), mean_len)
-        if waiting:
-            first = min(waiting, key=lambda r: (r.start, r.id))
-            seconds += self.profile.prefill_time(first.prompt_len)
-            served.append(first.id)
+        prefill, budget = 0, self.token_budget - len(decoding)
+        for r in waiting:
+            if prefill and prefill + r.prompt_len > budget:
+                break
+            prefill += r.prompt_len
+            served.append(r.id)
+        if prefill:
+            seconds += self.profile.prefill_time(prefill)
         return seconds, tuple(served)
 
     def decode_time(self) -> float:
@@ -181,10 +189,15 @@ class MeshInstance:
 def next_instance(instances: Iterable[MeshInstance], now: float) -> str | None:
     """§5.1: the instance that runs the next iteration, the one holding the most urgent request
     (ties by id, so the order is deterministic); None when no instance has work."""
-    busy = [i for i in instances if i.requests]
-    if not busy:
-        return None
-    return min(busy, key=lambda i: (i.least_headroom(now), i.id)).id
+    return most_urgent({i.id: i.requests for i in instances}, now)
+
+
+def most_urgent(requests: Mapping[str, Iterable[RunningRequest]], now: float) -> str | None:
+    """:func:`next_instance` over plain (instance id -> its requests): what a worker's engine
+    thread knows without profiles."""
+    least = {k: min((r.headroom(now) for r in rs), default=math.inf) for k, rs in requests.items()}
+    busy = [k for k, h in least.items() if h < math.inf]
+    return min(busy, key=lambda k: (least[k], k)) if busy else None
 
 
 @dataclass(frozen=True)
@@ -265,10 +278,16 @@ def shadow_validate(node: Sequence[MeshInstance], target: MeshInstance, new: Run
     return Validation(True)
 
 
+def bin_packing_key(device: str, batch: int, instance_id: str) -> tuple[bool, int, str]:
+    """The sort key of :func:`candidate_order` (the gateway's mesh routing sorts by it too): CPU
+    workers before GPU ones (§4: GPUs stay free for what needs them), then the largest batch
+    first (§7.2 bin-packing: small fragments drain and are recycled after keep-alive), then id."""
+    return device != "cpu", -batch, instance_id
+
+
 def candidate_order(instances: Iterable[MeshInstance]) -> list[MeshInstance]:
-    """Where to try a model's request first: CPU workers before GPU ones (§4: GPUs stay free for
-    what needs them), then the largest batch first (§7.2 bin-packing: small fragments drain)."""
-    return sorted(instances, key=lambda i: (i.device != "cpu", -i.batch, i.id))
+    """Where to try a model's request first (:func:`bin_packing_key`)."""
+    return sorted(instances, key=lambda i: bin_packing_key(i.device, i.batch, i.id))
 
 
 def preemption_candidates(node: Iterable[MeshInstance], requester: MeshInstance) -> list[MeshInstance]:
@@ -368,3 +387,4 @@ def complete(state: MemoryState, op_id: str) -> tuple[MemoryState, tuple[MemOp, 
         else:
             waiting.append(w)
     return replace(state, tracked=tracked, running=(*running, *started), waiting=tuple(waiting)), tuple(started)
+

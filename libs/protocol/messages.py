@@ -54,7 +54,9 @@ class ErrorReply(Message):
     """Any RPC may answer this instead of its reply model."""
 
     error: str
-    code: Literal["invalid", "not_found", "conflict", "unavailable", "internal"] = "invalid"
+    # "busy": a worker with sharing=mesh refuses a generate request that would push a request past
+    # its SLO (shadow validation); the gateway keeps the route and tries another or waits.
+    code: Literal["invalid", "not_found", "conflict", "unavailable", "internal", "busy"] = "invalid"
 
 
 # --- workers --------------------------------------------------------------------------
@@ -137,6 +139,11 @@ class DeployModel(Message):
     policy: ScalingPolicy = "concurrency"
     # Checked against the policy (libs.planning.autoscale.check_policy) by the gateway and the registry.
     policy_params: dict[str, float] = Field(default_factory=dict)
+    # LLM-Mesh SLOs of the deployment (headroom scheduling, shadow validation): the first token
+    # within ttft_slo_s (None: the paper's max(2, prompt tokens / 512) s), each next one within
+    # tpot_slo_s on average (ST + TTFT_SLO + TPOT_SLO * O, eq. 1).
+    ttft_slo_s: float | None = Field(default=None, gt=0)
+    tpot_slo_s: float = Field(default=0.25, gt=0)
 
 
 class ModelInfo(DeployModel):
@@ -210,6 +217,9 @@ class InstanceInfo(Message):
     # Requests its engine runs at once (its KV slots); the gateway sends it no more, so a burst
     # waits at the gateway for the first free slot anywhere, not in one engine's queue.
     max_batch: int | None = Field(default=None, ge=1)
+    # The device kind its entry worker runs it on: "cpu" or "cuda" (LLM-Mesh: profiles are per
+    # kind, and with sharing=mesh the gateway tries CPU instances first).
+    device: Literal["cpu", "cuda"] = "cpu"
 
     @property
     def entry_worker(self) -> str:
@@ -221,6 +231,8 @@ class CreateInstance(Message):
     model: str
     stages: list[Stage] = Field(min_length=1)
     scale_op_id: str | None = None
+    # Its entry worker's device kind, when the creator knows it (the worker's events say it anyway).
+    device: Literal["cpu", "cuda"] = "cpu"
 
 
 class InstanceEvent(Message):
@@ -353,6 +365,30 @@ class UsageReport(Message):
 
 
 # --- worker commands --------------------------------------------------------------------------
+
+
+# --- LLM-Mesh performance profiles (§5.2) -------------------------------------------------------
+
+
+class ModelProfile(Message):
+    """One model's measured iteration times on one device kind (libs.planning.mesh.Profile):
+    prefill seconds per prompt length, decode-iteration seconds per batch size x mean sequence
+    length, sampled at powers of two."""
+
+    model: str
+    device: Literal["cpu", "cuda"]
+    prefill_lengths: list[int] = Field(min_length=1)
+    prefill_s: list[float] = Field(min_length=1)
+    batches: list[int] = Field(min_length=1)
+    lengths: list[int] = Field(min_length=1)
+    decode_s: list[list[float]] = Field(min_length=1)
+    measured_at: float = Field(default_factory=time.time)
+    source: str = ""  # who measured it: a worker id, or "cli"
+
+
+class ProfileRef(Message):
+    model: str
+    device: Literal["cpu", "cuda"]
 
 
 class LoadModel(Message):
@@ -574,6 +610,12 @@ class GenerateRequest(Message):
     # The hand-over of an n > 1 request (generated_ids is for n = 1): the choices still running
     # and the tokens each generated already. Empty: all n choices from the start.
     choices: dict[int, list[int]] = {}
+    # The deployment's SLOs (DeployModel.ttft_slo_s, tpot_slo_s), for the worker's headroom
+    # scheduler and shadow validation. None: the paper's defaults. A worker with sharing=mesh
+    # that cannot take the request within them answers the RPC with code "busy" (the gateway
+    # tries another instance, or waits).
+    ttft_slo_s: float | None = Field(default=None, gt=0)
+    tpot_slo_s: float | None = Field(default=None, gt=0)
 
 
 class GenerateAccepted(Message):

@@ -53,6 +53,10 @@ REGISTRY_KEY_LOOKUP = f"{PREFIX}.registry.key.lookup"
 REGISTRY_USAGE_RECORD = f"{PREFIX}.registry.usage.record"
 # RPC GetUsage -> UsageReport (totals per key and model)
 REGISTRY_USAGE_GET = f"{PREFIX}.registry.usage.get"
+# RPC ModelProfile -> ModelProfile (a worker or the CLI stores a measured profile; replaces the old)
+REGISTRY_PROFILE_PUT = f"{PREFIX}.registry.profile.put"
+# RPC ProfileRef -> ModelProfile ("not_found" when none was measured for that model and device kind)
+REGISTRY_PROFILE_GET = f"{PREFIX}.registry.profile.get"
 
 # --- events -----------------------------------------------------------------
 # EVENT Heartbeat (worker -> registry; also upserts the worker's registration)

@@ -39,6 +39,9 @@ def bench(ctx: typer.Context) -> None:
 
 DEFAULT_STATE_DIR = Path(".layercast")
 StateDir = typer.Option(DEFAULT_STATE_DIR, "--state-dir", help="Where the cluster keeps its state and logs.")
+GatewayUrl = typer.Option(None, envvar="LAYERCAST_GATEWAY_URL",
+                          help="A gateway to talk to (default: the local cluster's).")
+AdminKey = typer.Option(None, envvar="LAYERCAST_ADMIN_KEY", help="With --gateway-url.")
 
 
 def _fail(message: str) -> None:
@@ -111,15 +114,25 @@ def build_demo(models_dir: Path,
 @model_app.command("profile")
 def profile(ckpt_dir: Path, max_len: int = typer.Option(512, help="Longest prompt sampled (powers of two up to it)."),
             max_batch: int = typer.Option(8, help="Largest batch sampled (powers of two up to it)."),
-            device: str = typer.Option("cpu", help="cpu | cuda"), repeats: int = typer.Option(3),
-            out: Path | None = typer.Option(None, help="Write the profile here as JSON.")) -> None:
+            device: str = typer.Option("cpu", help="cpu | cuda[:n]"), repeats: int = typer.Option(3),
+            out: Path | None = typer.Option(None, help="Write the profile here as JSON."),
+            publish: str | None = typer.Option(None, "--publish", metavar="MODEL",
+                                               help="Store it in the registry as MODEL's profile on this device "
+                                                    "kind (admin API), for the LLM-Mesh schedulers."),
+            state_dir: Path = StateDir, gateway_url: str = GatewayUrl, admin_key: str = AdminKey) -> None:
     """Measure a block checkpoint's prefill and decode-iteration times on this device (LLM-Mesh §5.2)."""
     import dataclasses
     import json
 
     from libs.engine import Engine
     from libs.engine.profiling import measure_profile
+    from libs.planning.mesh_profiles import device_kind, profile_to_message
 
+    if publish is not None:
+        try:
+            kind = device_kind(device)  # before the measurement: a bad --device fails at once
+        except ValueError as e:
+            _fail(str(e))
     try:
         with console.status(f"profiling {ckpt_dir} on {device}"):
             prof = measure_profile(lambda batch, seq: Engine.from_checkpoint(
@@ -131,6 +144,19 @@ def profile(ckpt_dir: Path, max_len: int = typer.Option(512, help="Longest promp
     if out:
         out.write_text(text)
     print(text)
+    if publish is not None:
+        msg = profile_to_message(publish, kind, prof, source="cli")
+        _admin_call(state_dir, gateway_url, admin_key, "POST", "/admin/v1/profiles",
+                    msg.model_dump(mode="json", exclude={"version"}))
+        console.print(f"stored as the profile of {publish} on {kind}")
+
+
+@model_app.command("profiles")
+def profiles(name: str, state_dir: Path = StateDir, gateway_url: str = GatewayUrl,
+             admin_key: str = AdminKey) -> None:
+    """Print a model's stored LLM-Mesh profiles as JSON: {"cpu": ..., "cuda": ...}, null where none."""
+    found = _admin_call(state_dir, gateway_url, admin_key, "GET", f"/admin/v1/profiles/{name}")
+    print(json.dumps(found["profiles"], indent=2))
 
 
 def _admin(gateway_url: str, admin_key: str, method: str, path: str, body: dict | None = None) -> httpx.Response:
@@ -140,23 +166,19 @@ def _admin(gateway_url: str, admin_key: str, method: str, path: str, body: dict 
 
 def deploy_model(state: ClusterState | tuple[str, str], name: str, path: Path, min_instances: int = 0,
                  max_instances: int = 4, keep_alive_s: float = 60.0, scaling_mode: str = "layercast",
-                 policy: str = "concurrency", policy_params: dict[str, float] | None = None) -> dict:
+                 policy: str = "concurrency", policy_params: dict[str, float] | None = None,
+                 ttft_slo_s: float | None = None, tpot_slo_s: float = 0.25) -> dict:
     """Deploy through the admin API of a local cluster (its state) or of any gateway (url, admin key)."""
     url, key = (state.gateway_url, state.admin_key) if isinstance(state, ClusterState) else state
     r = _admin(url, key, "POST", "/admin/v1/models", {
         "name": name, "path": str(path.resolve()), "min_instances": min_instances, "max_instances": max_instances,
         "keep_alive_s": keep_alive_s, "scaling_mode": scaling_mode, "policy": policy,
-        "policy_params": policy_params or {}})
+        "policy_params": policy_params or {}, "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s})
     if r.status_code == 409:
         return _admin(url, key, "GET", f"/admin/v1/models/{name}").json()
     if r.status_code >= 400:
         raise ClusterError(r.json().get("error", {}).get("message", r.text))
     return r.json()
-
-
-GatewayUrl = typer.Option(None, envvar="LAYERCAST_GATEWAY_URL",
-                          help="A gateway to talk to (default: the local cluster's).")
-AdminKey = typer.Option(None, envvar="LAYERCAST_ADMIN_KEY", help="With --gateway-url.")
 
 
 def _target(state_dir: Path, gateway_url: str | None, admin_key: str | None) -> tuple[str, str]:
@@ -206,12 +228,21 @@ def deploy(name: str, path: Path, min_instances: int = 0, max_instances: int = 4
            policy: str = typer.Option("concurrency", "--policy",
                                       help="The load-monitor's scaling policy: threshold | concurrency | slo."),
            policy_param: list[str] = typer.Option([], "--policy-param", metavar="KEY=VALUE",
-                                                  help="A parameter of the policy (repeatable), e.g. target=4.")) -> None:
+                                                  help="A parameter of the policy (repeatable), e.g. target=4."),
+           ttft_slo_s: float = typer.Option(None, "--ttft-slo-s",
+                                            help="LLM-Mesh: first token within this (default: max(2, prompt "
+                                                 "tokens / 512) s)."),
+           tpot_slo_s: float = typer.Option(0.25, "--tpot-slo-s",
+                                            help="LLM-Mesh: seconds per output token after the first, on "
+                                                 "average.")) -> None:
     """Deploy a converted checkpoint on a running cluster (admin API). PATH is as the workers see it."""
     params = _policy_params(policy_param)
+    for flag, slo in (("--ttft-slo-s", ttft_slo_s), ("--tpot-slo-s", tpot_slo_s)):
+        if slo is not None and not slo > 0:
+            _fail(f"{flag} must be a positive number of seconds, got {slo}")
     try:
         info = deploy_model(_target(state_dir, gateway_url, admin_key), name, path, min_instances, max_instances,
-                            keep_alive, scaling_mode, policy, params)
+                            keep_alive, scaling_mode, policy, params, ttft_slo_s, tpot_slo_s)
     except (ClusterError, httpx.HTTPError) as e:
         _fail(str(e))
     console.print(f"deployed {info['name']} ({len(info['blocks'])} blocks) from {info['path']}")
@@ -330,7 +361,11 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
                                        help="With --emulate: CPUs per worker (cgroup quota); 0: not capped."),
        host_cache_models: int = typer.Option(None, "--host-cache-models", min=0,
                                              help="With --emulate: models a worker's host memory keeps "
-                                                  "(default 3, lambdaScale); 0: bounded by bytes only.")
+                                                  "(default 3, lambdaScale); 0: bounded by bytes only."),
+       sharing: str = typer.Option(os.environ.get("LAYERCAST_SHARING", "exclusive"), "--sharing",
+                                     help="exclusive: each worker steps its engines in turn; mesh (LLM-Mesh): "
+                                          "many models share a worker, one headroom-driven scheduler, admission by "
+                                          "shadow validation, bin-packing routing."),
        ) -> None:
     """Start a dev cluster: NATS, database, the five services and N workers."""
     from libs.cluster.emulation import can_emulate, requested_profile
@@ -354,9 +389,12 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
             _fail(f"a cluster is already running from {state_dir} ({existing.gateway_url}); 'layercast down' first")
     except ClusterError:
         pass
+    if sharing not in ("exclusive", "mesh"):
+        _fail(f"--sharing must be exclusive or mesh, got {sharing!r}")
     spec = ClusterSpec(state_dir=state_dir, port=port, api_key=api_key, admin_key=admin_key, workers=workers,
                        nats_url=os.environ.get("NATS_URL"), database_url=os.environ.get("DATABASE_URL"),
-                       namespace=os.environ.get("LAYERCAST_NAMESPACE", "layercast"), torch_threads=torch_threads)
+                       namespace=os.environ.get("LAYERCAST_NAMESPACE", "layercast"), torch_threads=torch_threads,
+                       extra_env={"LAYERCAST_SHARING": sharing})
     with ExitStack() as stack:
         emulation = None
         if profile is not None:

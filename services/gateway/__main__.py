@@ -8,6 +8,7 @@ import uvicorn
 from libs.protocol import subjects
 from libs.telemetry import setup_logging, setup_tracing
 from services.gateway.app import create_app
+from services.gateway.routing import SHARING_MODES
 from services.gateway.service import GatewayConfig, GatewayService
 
 
@@ -36,13 +37,18 @@ def main() -> None:
                    help="how long a registry API key's lookup is trusted (how late a revocation can be)")
     p.add_argument("--max-n", type=int, default=int(env("LAYERCAST_MAX_N", GatewayConfig.max_n)),
                    help="choices (n) per request at most; each takes a KV slot")
+    p.add_argument("--sharing", choices=SHARING_MODES, default=env("LAYERCAST_SHARING", GatewayConfig.sharing),
+                   help="exclusive: least-loaded routing; mesh (LLM-Mesh, models sharing workers): bin-packing "
+                        "routing, and workers may refuse a request as busy")
     a = p.parse_args()
+    if a.sharing not in SHARING_MODES:  # argparse checks choices on the flag, not on a default from the env
+        p.error(f"LAYERCAST_SHARING must be one of {', '.join(SHARING_MODES)}, got {a.sharing!r}")
     setup_logging("gateway")
     setup_tracing("gateway", subjects.QUIET_SUBJECTS)
     config = GatewayConfig(queue_timeout_s=a.queue_timeout, slots_per_instance=a.slots_per_instance,
                            max_context=a.max_context, max_body_bytes=a.max_body_bytes,
                            tokenizer_threads=a.tokenizer_threads, key_cache_s=a.key_cache_s,
-                           max_n=a.max_n)
+                           max_n=a.max_n, sharing=a.sharing)
     app = create_app(GatewayService(config), _keys(env("LAYERCAST_API_KEYS"), "LAYERCAST_API_KEYS"),
                      _keys(env("LAYERCAST_ADMIN_KEYS"), "LAYERCAST_ADMIN_KEYS"))
     uvicorn.run(app, host=a.host, port=a.port, log_level=env("LAYERCAST_LOG_LEVEL", "info").lower(),

@@ -21,6 +21,7 @@ from libs.checkpoint import CheckpointIndex, is_block_checkpoint
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.bus.broker import RemoteError, call
+from libs.planning.mesh_profiles import InvalidProfile, profile_from_message
 from services.gateway.errors import APIError, invalid_key, missing_key
 from services.gateway.logprobs import CompletionLogprobs, chat_content
 from services.gateway.schemas import (
@@ -30,6 +31,7 @@ from services.gateway.schemas import (
     DeployRequest,
     DetokenizeRequest,
     KeyRequest,
+    ProfileRequest,
     TokenizeRequest,
 )
 from services.gateway.service import INLINE_TOKENIZE_BYTES, GatewayService, Generation, ModelEntry, Piece
@@ -415,7 +417,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
                                 layer_end=b.layer_end) for b in index.blocks],
             min_instances=body.min_instances, max_instances=body.max_instances, keep_alive_s=body.keep_alive_s,
             max_queue=body.max_queue, scaling_mode=body.scaling_mode, policy=body.policy,
-            policy_params=body.policy_params)
+            policy_params=body.policy_params, ttft_slo_s=body.ttft_slo_s, tpot_slo_s=body.tpot_slo_s)
         info = await _registry(subjects.REGISTRY_MODEL_DEPLOY, req, m.ModelInfo)
         await service.add_model(info)
         return JSONResponse(info.model_dump(mode="json"), status_code=201)
@@ -442,6 +444,32 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
     async def cluster() -> dict:
         view = await _registry(subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
         return view.model_dump(mode="json")
+
+    # --- admin API: LLM-Mesh profiles (a path of their own: model names may hold "/") ------------------
+    @app.post("/admin/v1/profiles", dependencies=[Depends(admin_key)], status_code=201)
+    async def put_profile(body: ProfileRequest) -> JSONResponse:
+        msg = m.ModelProfile(**body.model_dump(exclude_none=True))
+        try:
+            profile_from_message(msg)  # the registry checks it too; here the 400 can name the field
+        except InvalidProfile as e:
+            raise APIError(400, f"invalid profile: {e}", param=e.field, code="invalid_value") from e
+        stored = await _registry(subjects.REGISTRY_PROFILE_PUT, msg, m.ModelProfile, param="model")
+        return JSONResponse(stored.model_dump(mode="json", exclude={"version"}), status_code=201)
+
+    @app.get("/admin/v1/profiles/{model:path}", dependencies=[Depends(admin_key)])
+    async def get_profiles(model: str) -> dict:
+        """The model's stored profile on each device kind; null for a kind never measured."""
+        found: dict[str, dict | None] = {}
+        for device in ("cpu", "cuda"):
+            try:
+                stored = await _registry(subjects.REGISTRY_PROFILE_GET, m.ProfileRef(model=model, device=device),
+                                         m.ModelProfile, param="model")
+                found[device] = stored.model_dump(mode="json", exclude={"version"})  # the API has none
+            except APIError as e:
+                if e.status != 404:
+                    raise
+                found[device] = None
+        return {"object": "model_profiles", "model": model, "profiles": found}
 
     # --- admin API: API keys and usage -------------------------------------------------------------------
     @app.post("/admin/v1/keys", dependencies=[Depends(admin_key)], status_code=201)

@@ -226,6 +226,9 @@ class DeployRequest(_Body):
     scaling_mode: m.ScalingMode = "layercast"
     policy: m.ScalingPolicy = "concurrency"
     policy_params: dict[str, float] = Field(default_factory=dict, validate_default=True)
+    # LLM-Mesh SLOs (m.DeployModel): None = max(2, prompt tokens / 512) s.
+    ttft_slo_s: float | None = Field(default=None, gt=0)
+    tpot_slo_s: float = Field(default=0.25, gt=0)
 
     @field_validator("policy_params")
     @classmethod
@@ -236,6 +239,20 @@ class DeployRequest(_Body):
             check_policy(info.data["policy"], v, min_instances=info.data["min_instances"],
                          max_instances=info.data["max_instances"], keep_alive_s=info.data["keep_alive_s"])
         return v
+
+
+class ProfileRequest(_Body):
+    """A measured LLM-Mesh profile to store (m.ModelProfile; `layercast model profile --publish`)."""
+
+    model: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-/]+$")
+    device: Literal["cpu", "cuda"]
+    prefill_lengths: list[int] = Field(min_length=1)
+    prefill_s: list[float] = Field(min_length=1)
+    batches: list[int] = Field(min_length=1)
+    lengths: list[int] = Field(min_length=1)
+    decode_s: list[list[float]] = Field(min_length=1)
+    measured_at: float | None = None  # None: now
+    source: str = Field(default="", max_length=256)
 
 
 class KeyRequest(_Body):

@@ -24,7 +24,7 @@ from libs.telemetry import tracer
 from services.common.runner import EndedInstances, Service
 from services.gateway.errors import APIError
 from services.gateway.logprobs import TokenLogprob, TokenStrings
-from services.gateway.routing import ModelRoutes, Route
+from services.gateway.routing import SHARING_MODES, ModelRoutes, Route
 from services.gateway.structured import template_renders_tools
 from services.gateway.text import IncrementalDetokenizer, StopMatcher
 
@@ -49,6 +49,9 @@ INSTANCES = Gauge("layercast_gateway_instances", "Ready instances routed to", ["
 HANDOVERS = Counter("layercast_gateway_handovers_total",
                     "Requests moved to another instance mid-generation (theirs failed or stopped)", ["model"])
 GENERATED = Counter("layercast_gateway_completion_tokens_total", "Completion tokens streamed", ["model"])
+BUSY_REFUSALS = Counter("layercast_gateway_busy_refusals_total",
+                        "Requests a shared worker refused as busy (taking them would break an SLO); "
+                        "each went to another instance or waited", ["model"])
 
 
 @dataclass
@@ -89,6 +92,13 @@ class GatewayConfig:
     key_cache_s: float = 5.0  # how long a registry key's lookup is trusted (a revocation's delay)
     usage_flush_s: float = 1.0  # usage is recorded in the registry this often
     max_n: int = 8  # choices per request at most (each takes a KV slot)
+    # "exclusive": an instance per device, least-loaded routing. "mesh" (LLM-Mesh): models share
+    # workers; bin-packing routing, and workers may refuse a request as "busy".
+    sharing: str = "exclusive"
+
+    def __post_init__(self):
+        if self.sharing not in SHARING_MODES:
+            raise ValueError(f"sharing must be one of {', '.join(SHARING_MODES)}, got {self.sharing!r}")
 
 
 MAX_HANDOVERS = 2  # per request: a request that loses three instances fails
@@ -305,7 +315,8 @@ class GatewayService(Service):
         eos = index.config.get("eos_token_id", tokenizer.eos_token_id)
         eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
         entry = ModelEntry(info, tokenizer, context, eos_ids,
-                           ModelRoutes(info.name, info.max_queue, self.config.slots_per_instance),
+                           ModelRoutes(info.name, info.max_queue, self.config.slots_per_instance,
+                                       sharing=self.config.sharing),
                            max_prompt_bytes=context * longest_token * NORMALIZER_SLACK)
         self.models[info.name] = entry
         return entry
@@ -323,7 +334,7 @@ class GatewayService(Service):
             return
         if inst.state == m.InstanceState.ready and inst.instance_id not in self.ended:
             entry.routes.add(inst.instance_id, inst.entry_worker, loading=inst.loaded_at is None,
-                             max_batch=inst.max_batch)
+                             max_batch=inst.max_batch, device=inst.device)
         elif inst.state == m.InstanceState.draining:
             route = entry.routes.remove(inst.instance_id)  # no new requests; those running there finish there
             if route is not None and switched_to:
@@ -471,18 +482,26 @@ class GatewayService(Service):
 
     async def dispatch(self, entry: ModelEntry, request_id: str, prompt_ids: list[int], sampling: m.SamplingSpec,
                        generated_ids: list[int] = (), choices: dict[int, list[int]] | None = None) -> Route:
-        """Wait for instance slots (one per choice) and hand the request to its worker; the route it holds."""
+        """Wait for instance slots (one per choice) and hand the request to its worker; the route it holds.
+
+        A worker that fails it loses its route (three failures: 503). One that refuses it as
+        "busy" (sharing=mesh: it would break an SLO there) keeps it, full for now: the request
+        tries the next instance or waits, within the same queue_timeout_s."""
         self._demand.set()
-        for attempt in range(3):
+        model = entry.info.name
+        failures, refused = 0, False
+        deadline = time.monotonic() + self.config.queue_timeout_s  # refusals do not restart the wait
+        while failures < 3:
             with _tracer.start_as_current_span("gateway.queue", attributes={
-                    "layercast.model": entry.info.name, "layercast.attempt": attempt}) as queued:
-                route = await entry.routes.acquire(self.config.queue_timeout_s, sampling.n)
+                    "layercast.model": model, "layercast.attempt": failures, "layercast.refused": refused}) as queued:
+                route = await entry.routes.acquire(max(0.0, deadline - time.monotonic()), sampling.n, refused=refused)
                 queued.set_attribute("layercast.instance", route.instance_id)
             self._demand.set()
-            req = m.GenerateRequest(request_id=request_id, instance_id=route.instance_id,
-                                    model=entry.info.name, prompt_ids=prompt_ids, sampling=sampling,
+            req = m.GenerateRequest(request_id=request_id, instance_id=route.instance_id, model=model,
+                                    prompt_ids=prompt_ids, sampling=sampling,
                                     generated_ids=list(generated_ids), choices=dict(choices or {}),
-                                    reply_subject=subjects.tokens(self.config.gateway_id, request_id))
+                                    reply_subject=subjects.tokens(self.config.gateway_id, request_id),
+                                    ttft_slo_s=entry.info.ttft_slo_s, tpot_slo_s=entry.info.tpot_slo_s)
             try:
                 await call(self.broker, subjects.worker_generate(route.worker_id), req, m.GenerateAccepted)
                 span = trace.get_current_span()
@@ -490,9 +509,21 @@ class GatewayService(Service):
                 span.set_attribute("layercast.worker", route.worker_id)
                 return route
             except (TimeoutError, RemoteError) as e:
-                entry.routes.release(route, sampling.n)
-                if isinstance(e, RemoteError) and e.code == "invalid":
-                    raise APIError(400, e.error) from e
-                log.warning("dispatch to %s failed (%s); dropping that route", route.instance_id, e)
-                entry.routes.remove(route.instance_id)
+                if isinstance(e, RemoteError) and e.code == "busy":
+                    entry.routes.refuse(route, sampling.n)
+                    BUSY_REFUSALS.labels(model).inc()
+                    log.debug("instance %s refused request %s as busy: %s", route.instance_id, request_id, e.error)
+                    refused = True
+                    continue
+                self._dispatch_failed(entry, route, sampling.n, e)
+                failures, refused = failures + 1, False
+                deadline = time.monotonic() + self.config.queue_timeout_s  # as before: each failure waits anew
         raise APIError(503, "no instance accepted the request", code="model_unavailable", retry_after=1)
+
+    def _dispatch_failed(self, entry: ModelEntry, route: Route, weight: int, e: Exception) -> None:
+        """Its worker did not take the request: a 400 if the request is at fault, else drop the route."""
+        entry.routes.release(route, weight)
+        if isinstance(e, RemoteError) and e.code == "invalid":
+            raise APIError(400, e.error) from e
+        log.warning("dispatch to %s failed (%s); dropping that route", route.instance_id, e)
+        entry.routes.remove(route.instance_id)

@@ -3,6 +3,7 @@ database connection; everyone else asks over NATS (subjects.REGISTRY_*)."""
 
 import asyncio
 import logging
+import re
 import time
 
 from prometheus_client import Counter, Gauge
@@ -11,6 +12,7 @@ from libs.db.session import make_engine, migrate
 from libs.bus.broker import DomainError, on_event, publish, rpc
 from libs.db.store import RegistryStore
 from libs.planning.autoscale import check_policy
+from libs.planning.mesh_profiles import InvalidProfile, profile_from_message
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from services.common.runner import Service
@@ -20,6 +22,8 @@ INSTANCES = Gauge("layercast_registry_instances", "Live instances per model and 
 EXPIRED = Counter("layercast_registry_worker_expirations_total", "Workers declared dead (heartbeats stopped)")
 
 log = logging.getLogger(__name__)
+
+MODEL_NAME = re.compile(r"[A-Za-z0-9_.:\-/]{1,128}")  # what DeployModel.name allows
 
 
 class RegistryService(Service):
@@ -155,6 +159,28 @@ class RegistryService(Service):
         @rpc(m.RecordScaleOp)
         async def record_scale_op(req: m.RecordScaleOp) -> m.ScaleOpInfo:
             return await self.store.record_scale_op(req)
+
+        # --- LLM-Mesh profiles (workers and the CLI measure; schedulers fetch) ---
+        @b.subscriber(subjects.REGISTRY_PROFILE_PUT)
+        @rpc(m.ModelProfile)
+        async def put_profile(req: m.ModelProfile) -> m.ModelProfile:
+            if not MODEL_NAME.fullmatch(req.model):  # a deployment's name (DeployModel.name)
+                raise DomainError(f"invalid profile: model: {req.model!r} is not a model name", code="invalid")
+            try:
+                profile_from_message(req)  # a profile no scheduler could use is never stored
+            except InvalidProfile as e:
+                raise DomainError(f"invalid profile: {e}", code="invalid") from e
+            stored = await self.store.put_profile(req)
+            log.info("profile of %s on %s stored (from %s)", req.model, req.device, req.source or "?")
+            return stored
+
+        @b.subscriber(subjects.REGISTRY_PROFILE_GET)
+        @rpc(m.ProfileRef)
+        async def get_profile(req: m.ProfileRef) -> m.ModelProfile:
+            profile = await self.store.get_profile(req.model, req.device)
+            if profile is None:
+                raise DomainError(f"no profile of model {req.model!r} on {req.device}", code="not_found")
+            return profile
 
         # --- API keys and usage (the gateway asks; it alone ever sees a secret) ---
         @b.subscriber(subjects.REGISTRY_KEY_CREATE)

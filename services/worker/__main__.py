@@ -49,6 +49,14 @@ def main() -> None:
     p.add_argument("--emulated-link-mbit", type=float, default=float(env("LAYERCAST_EMULATED_LINK_MBIT", "0")),
                    help="emulation without root: pace this worker's block sends to this rate (Mbit/s, tcp); "
                         "0: off")
+    p.add_argument("--sharing", choices=["exclusive", "mesh"], default=env("LAYERCAST_SHARING", "exclusive"),
+                   help="exclusive: engines step in turn on fixed KV caches; mesh (LLM-Mesh): one headroom "
+                        "scheduler over every instance here, admission by shadow validation")
+    p.add_argument("--shadow-validation", action=argparse.BooleanOptionalAction,
+                   default=env("LAYERCAST_SHADOW_VALIDATION", "1") not in ("0", "false", "no"),
+                   help="with --sharing mesh: refuse a request that would push any request here past its SLO")
+    p.add_argument("--profile-max-len", type=int, default=int(env("LAYERCAST_PROFILE_MAX_LEN", "512")),
+                   help="with --sharing mesh: the longest prompt a model's profile samples")
     p.add_argument("--health-host", default=env("LAYERCAST_HEALTH_HOST", "127.0.0.1"))
     p.add_argument("--health-port", type=int, default=int(env("LAYERCAST_HEALTH_PORT", "0")))
     a = p.parse_args()
@@ -64,6 +72,7 @@ def main() -> None:
         load_threads=a.load_threads, transport=a.transport, rdma_device=a.rdma_device,
         kv_cache_bytes=int(a.kv_cache_gb * (1 << 30)),
         emulated_host_to_device_mbit=a.emulated_host_to_device_mbit, emulated_link_mbit=a.emulated_link_mbit,
+        sharing=a.sharing, shadow_validation=a.shadow_validation, profile_max_len=a.profile_max_len,
     )
     run(lambda: WorkerService(config), a.health_host, a.health_port)
 

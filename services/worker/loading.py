@@ -265,13 +265,15 @@ class InstanceLoading:
         inst.info = inst.info.model_copy(update={"loaded_at": time.time()})
         await publish(self.worker.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=inst.info,
                                                                                    reason="every block loaded"))
+        if self.worker.mesh is not None:
+            self.worker.mesh.ensure_profile(inst)
 
     async def _attach(self, engine: Engine, info: m.InstanceInfo, cmd: m.LoadModel,
                       pinned: list[tuple[str, int]], reason: str) -> None:
         w = self.worker
         w.runtime.attach(cmd.instance_id, engine)
         info = info.model_copy(update={"state": m.InstanceState.ready, "ready_at": time.time(),
-                                       "max_batch": engine.max_batch_size})
+                                       "max_batch": engine.max_batch_size, "device": engine.device.type})
         # The instance shares this load's pin list: stopping it releases what has been pinned so far.
         w.instances[cmd.instance_id] = Instance(info=info, path=cmd.path, keys=pinned)
         log.info("instance %s of %s ready (%s)", cmd.instance_id, cmd.model, reason)

@@ -5,16 +5,25 @@ steps every engine that has work and can run, and hands token outputs back to th
 loop. An engine whose blocks are still arriving is skipped until they have (the load
 calls `wake`), so a request waiting for a block never stalls another instance's tokens.
 Engines are not thread-safe, so only this thread ever touches them.
+
+Two schedules (the cluster's `sharing` setting): `turns` steps every engine with work in turn
+(one model per worker in mind); `headroom` (LLM-Mesh §5.1, many models sharing the worker) runs
+each iteration on the instance holding the request with the least headroom, so a model with a
+burst cannot starve the others' next tokens.
 """
 
 import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Literal
 
 from libs.engine import AdmissionError, Engine, SamplingParams, TokenOutput
+from libs.planning.mesh import RunningRequest, most_urgent
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +36,8 @@ class _Add:
     params: SamplingParams
     generated_ids: list[int]
     choices: dict[int, list[int]] | None = None
+    # Its SLO clock (headroom scheduling): arrival (time.monotonic()), TTFT and TPOT SLOs.
+    slo: tuple[float, float, float] | None = None
 
 
 @dataclass
@@ -48,6 +59,14 @@ class _Detach:
 
 
 @dataclass
+class _Call:
+    """Run `fn` on the engine thread (torch work that must not race the engines: profiling)."""
+
+    fn: Callable[[], object]
+    future: Future
+
+
+@dataclass
 class _Wake:
     """Something an engine waited for happened (a block arrived): look again."""
 
@@ -61,8 +80,15 @@ OutputSink = Callable[[list[tuple[str, str, TokenOutput | None, str | None]]], N
 FailureSink = Callable[[str, Exception], None]
 
 
+Schedule = Literal["turns", "headroom"]
+
+
 class EngineRuntime:
-    def __init__(self, loop: asyncio.AbstractEventLoop, sink: OutputSink, on_failure: FailureSink | None = None):
+    def __init__(self, loop: asyncio.AbstractEventLoop, sink: OutputSink, on_failure: FailureSink | None = None,
+                 schedule: Schedule = "turns"):
+        if schedule not in ("turns", "headroom"):
+            raise ValueError(f"schedule must be 'turns' or 'headroom', got {schedule!r}")
+        self.schedule = schedule
         self._loop = loop
         self._sink = sink
         self._on_failure = on_failure
@@ -70,6 +96,8 @@ class EngineRuntime:
         self._engines: dict[str, Engine] = {}
         # (instance_id, request_id) -> its choices not finished yet
         self._running: dict[tuple[str, str], int] = {}
+        # (instance_id, request_id) -> its SLO clock, O = the steps that gave it tokens (headroom)
+        self._clocks: dict[tuple[str, str], RunningRequest] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopping = False
 
@@ -98,8 +126,16 @@ class EngineRuntime:
             engine.abort_remote_stages(reason)
 
     def submit(self, instance_id: str, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               generated_ids: list[int] = (), choices: dict[int, list[int]] | None = None) -> None:
-        self._inbox.put(_Add(instance_id, request_id, prompt_ids, params, list(generated_ids), choices))
+               generated_ids: list[int] = (), choices: dict[int, list[int]] | None = None,
+               slo: tuple[float, float, float] | None = None) -> None:
+        """`slo`: (arrival on time.monotonic(), TTFT SLO, TPOT SLO) for the headroom schedule."""
+        self._inbox.put(_Add(instance_id, request_id, prompt_ids, params, list(generated_ids), choices, slo))
+
+    def call(self, fn: Callable[[], object]) -> asyncio.Future:
+        """Run `fn` on the engine thread, between steps; its result (or exception) as a future."""
+        future: Future = Future()
+        self._inbox.put(_Call(fn, future))
+        return asyncio.wrap_future(future, loop=self._loop)
 
     def cancel(self, instance_id: str, request_id: str) -> None:
         self._inbox.put(_Cancel(instance_id, request_id))
@@ -126,6 +162,7 @@ class EngineRuntime:
                     if engine is not None:
                         engine.cancel(rid)
                     self._running.pop((inst, rid), None)
+                    self._clocks.pop((inst, rid), None)
                     out.append((inst, rid, None, "instance stopped"))
             cmd.done()
         elif isinstance(cmd, _Add):
@@ -137,10 +174,22 @@ class EngineRuntime:
                 engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, generated_ids=cmd.generated_ids,
                                    choices=cmd.choices)
                 self._running[(cmd.instance_id, cmd.request_id)] = len(cmd.choices or range(cmd.params.n))
+                if cmd.slo is not None:
+                    start, ttft, tpot = cmd.slo
+                    done = min((len(ids) for ids in (cmd.choices or {0: cmd.generated_ids}).values()), default=0)
+                    self._clocks[(cmd.instance_id, cmd.request_id)] = RunningRequest(
+                        cmd.request_id, start, len(cmd.prompt_ids), done, ttft, tpot)
             except (AdmissionError, ValueError) as e:
                 out.append((cmd.instance_id, cmd.request_id, None, str(e)))
+        elif isinstance(cmd, _Call):
+            if cmd.future.set_running_or_notify_cancel():
+                try:
+                    cmd.future.set_result(cmd.fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    cmd.future.set_exception(e)
         elif isinstance(cmd, _Cancel):
             key = (cmd.instance_id, cmd.request_id)
+            self._clocks.pop(key, None)
             if key in self._running:
                 del self._running[key]
                 if cmd.instance_id in self._engines:
@@ -167,26 +216,49 @@ class EngineRuntime:
                     self._apply(cmd, out)
             except queue.Empty:
                 pass
-            for instance_id, engine in list(self._engines.items()):
-                if not engine.has_work() or not engine.runnable():
-                    continue
-                try:
-                    for o in engine.step():
-                        key = (instance_id, o.request_id)
-                        if key not in self._running:
-                            continue  # cancelled while this step ran
-                        out.append((instance_id, o.request_id, o, None))
-                        if o.finished:  # a choice ended; the request, once all have
-                            self._running[key] -= 1
-                            if not self._running[key]:
-                                del self._running[key]
-                except Exception as e:  # a failing step fails its requests, not the worker
-                    log.exception("engine step failed on %s", instance_id)
-                    for inst, rid in list(self._running):
-                        if inst == instance_id:
-                            engine.cancel(rid)
-                            del self._running[(inst, rid)]
-                            out.append((inst, rid, None, f"engine error: {e}"))
-                    if self._on_failure is not None:
-                        self._loop.call_soon_threadsafe(self._on_failure, instance_id, e)
+            for instance_id in self._to_step():
+                self._step(instance_id, self._engines[instance_id], out)
             self._emit(out)
+
+    def _to_step(self) -> list[str]:
+        """The engines this round steps: every one that can (turns), or the one holding the most
+        urgent request (headroom; an engine with work but no clock, e.g. a hand-over's leftovers,
+        when none has)."""
+        ready = [i for i, e in self._engines.items() if e.has_work() and e.runnable()]
+        if self.schedule == "turns" or len(ready) < 2:
+            return ready
+        by_instance: dict[str, list[RunningRequest]] = {i: [] for i in ready}
+        for (inst, _), clock in self._clocks.items():
+            if inst in by_instance:
+                by_instance[inst].append(clock)
+        chosen = most_urgent(by_instance, time.monotonic())
+        return [chosen if chosen is not None else ready[0]]
+
+    def _step(self, instance_id: str, engine: Engine, out: list) -> None:
+        try:
+            stepped: set[str] = set()
+            for o in engine.step():
+                key = (instance_id, o.request_id)
+                if key not in self._running:
+                    continue  # cancelled while this step ran
+                out.append((instance_id, o.request_id, o, None))
+                stepped.add(o.request_id)
+                if o.finished:  # a choice ended; the request, once all have
+                    self._running[key] -= 1
+                    if not self._running[key]:
+                        del self._running[key]
+                        self._clocks.pop(key, None)
+            for rid in stepped:  # O: one more token for each request this iteration served
+                clock = self._clocks.get((instance_id, rid))
+                if clock is not None:
+                    self._clocks[(instance_id, rid)] = replace(clock, generated=clock.generated + 1)
+        except Exception as e:  # a failing step fails its requests, not the worker
+            log.exception("engine step failed on %s", instance_id)
+            for inst, rid in list(self._running):
+                if inst == instance_id:
+                    engine.cancel(rid)
+                    del self._running[(inst, rid)]
+                    self._clocks.pop((inst, rid), None)
+                    out.append((inst, rid, None, f"engine error: {e}"))
+            if self._on_failure is not None:
+                self._loop.call_soon_threadsafe(self._on_failure, instance_id, e)

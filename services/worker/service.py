@@ -41,6 +41,7 @@ from libs.transfer.transports import make_transport
 from services.common.runner import Service
 from services.worker.host_cache import HostBlockCache
 from services.worker.loading import Instance, InstanceLoading
+from services.worker.mesh import Admitted, MeshNode, Slo
 from services.worker.pipelines import PipelineStages
 from services.worker.runtime import EngineRuntime
 from services.worker.transfers import TransferAgent
@@ -101,6 +102,12 @@ class WorkerConfig:
     emulated_host_to_device_mbit: float = 0.0
     # Emulation without root (tests): this worker's block sends leave at most at this rate (tcp).
     emulated_link_mbit: float = 0.0
+    # The cluster's sharing setting. "exclusive": engines step in turn, fixed KV. "mesh" (LLM-Mesh):
+    # one headroom-driven schedule over every instance here, admission by shadow validation
+    # against profiled iteration times (off: `shadow_validation`).
+    sharing: str = "exclusive"
+    shadow_validation: bool = True
+    profile_max_len: int = 512  # the longest prompt a profile samples (longer ones extrapolate)
 
 
 class _HostTierBlocks:
@@ -156,6 +163,7 @@ class _Request:
     next_index: dict[int, int]  # per choice still running: the index of its next token
     streamed: bool = False  # a token went out (its hop is in the trace)
     sent: int = 0
+    admitted: Admitted | None = None  # sharing=mesh: its SLO clock, for shadow validation
 
 
 class WorkerService(Service):
@@ -163,7 +171,10 @@ class WorkerService(Service):
 
     def __init__(self, config: WorkerConfig, nats_url: str | None = None):
         super().__init__(nats_url)
+        if config.sharing not in ("exclusive", "mesh"):
+            raise ValueError(f"sharing must be 'exclusive' or 'mesh', got {config.sharing!r}")
         self.config = config
+        self.mesh = MeshNode(self, config.shadow_validation) if config.sharing == "mesh" else None
         self.cache = HostBlockCache(config.host_capacity_bytes, config.host_cache_models)
         self.loader = BlockLoader(config.device, LoaderConfig(chunk_bytes=config.load_chunk_bytes,
                                                               threads=config.load_threads))
@@ -235,7 +246,8 @@ class WorkerService(Service):
             pin = torch.device(self.config.device).type == "cuda"
             self.loader.arena = await asyncio.to_thread(HostArena, self.config.host_arena_bytes, pin)
             log.info("host arena of %d bytes reserved for block buffers", self.loader.arena.capacity_bytes)
-        self.runtime = EngineRuntime(asyncio.get_running_loop(), self._on_outputs, self._on_engine_failure)
+        self.runtime = EngineRuntime(asyncio.get_running_loop(), self._on_outputs, self._on_engine_failure,
+                                     schedule="headroom" if self.mesh is not None else "turns")
         self.runtime.start()
         self.transport = self._make_transport(asyncio.get_running_loop())
         self.transfers = TransferAgent(self.broker, self.transport, self.config.worker_id, _HostTierBlocks(self))
@@ -502,6 +514,17 @@ class WorkerService(Service):
                 raise DomainError("an n > 1 request resumes with `choices`, not generated_ids")
             # The choices to run, and the index of each one's next token.
             choices = req.choices or ({0: req.generated_ids} if s.n == 1 else {c: [] for c in range(s.n)})
+            admitted = None
+            if self.mesh is not None:
+                # No await from here to the registration below: the next request is validated
+                # against a node that includes this one.
+                now, slo = time.monotonic(), Slo.of(req)
+                verdict = self.mesh.admit(inst, req.request_id, len(req.prompt_ids) + min(map(len, choices.values())),
+                                          len(choices), slo, now)
+                if not verdict.ok:
+                    raise DomainError(f"{wid} cannot take it within its SLOs now ({verdict.case}: "
+                                      f"{verdict.detail})", code="busy")
+                admitted = Admitted(req.instance_id, now, len(req.prompt_ids), slo)
             span = _tracer.start_span("worker.generate", attributes={
                 "layercast.model": req.model, "layercast.worker": wid, "layercast.instance": req.instance_id,
                 "layercast.prompt_tokens": len(req.prompt_ids)})
@@ -510,9 +533,11 @@ class WorkerService(Service):
             if (old := self.requests.get(req.request_id)) is not None:
                 old.span.end()  # handed over from another instance here: that run is over
             self.requests[req.request_id] = _Request(req.instance_id, req.model, inst.info.mode, req.reply_subject,
-                                                     span, next_index={c: len(ids) for c, ids in choices.items()})
+                                                     span, next_index={c: len(ids) for c, ids in choices.items()},
+                                                     admitted=admitted)
             self.runtime.submit(req.instance_id, req.request_id, req.prompt_ids, params, req.generated_ids,
-                                req.choices or None)
+                                req.choices or None,
+                                None if admitted is None else (admitted.start, admitted.slo.ttft_s, admitted.slo.tpot_s))
             return m.GenerateAccepted(request_id=req.request_id, queued=self.runtime.running(req.instance_id))
 
         @b.subscriber(subjects.worker_rdma_connect(wid))

@@ -21,6 +21,7 @@ from libs.planning.mesh import (
     kv_grant,
     kv_require,
     kv_resize,
+    most_urgent,
     next_instance,
     preemption_candidates,
     sample_points,
@@ -104,6 +105,7 @@ def test_the_next_iteration_goes_to_the_instance_with_the_least_headroom(reqs, n
     least = min(r.headroom(now) for i in instances for r in i.requests)
     assert min(r.headroom(now) for r in next(i for i in instances if i.id == chosen).requests) == least
     assert next_instance([MeshInstance("idle", "m", p)], now) is None
+    assert most_urgent({i.id: i.requests for i in instances}, now) == chosen
 
 
 def test_figure_5_a_served_request_gains_one_tpot_less_the_iteration():
@@ -114,6 +116,19 @@ def test_figure_5_a_served_request_gains_one_tpot_less_the_iteration():
     assert simulate([inst], 0.0, until_tokens={"r": 2}) == ()
     # After one iteration of 0.05 s it has one more token: 1.9 - 0.05 + 0.25 = 2.1 s.
     assert RunningRequest("r", 0.0, 1, 2, 1.65, 0.25).headroom(0.05) == pytest.approx(2.1)
+
+
+def test_an_iteration_prefills_the_waiting_prompts_together_within_the_token_budget():
+    # As the engine steps: one decode over the decoding rows, one batched prefill of the waiting
+    # ones in arrival order while they fit the step's budget (the first whatever its length).
+    p = linear_profile(prefill_per_token=0.001, decode_base=0.02, per_request=0.0, per_len=0.0)
+    reqs = (RunningRequest("old", 0.0, 10, generated=3), RunningRequest("w1", 1.0, 100),
+            RunningRequest("w2", 2.0, 100), RunningRequest("w3", 3.0, 100))
+    seconds, served = MeshInstance("i", "m", p, reqs, token_budget=1 + 200).iteration()
+    assert served == ("old", "w1", "w2")
+    assert seconds == pytest.approx(0.02 + 0.2)
+    _, served = MeshInstance("i", "m", p, (RunningRequest("long", 0.0, 4000),), token_budget=64).iteration()
+    assert served == ("long",)
 
 
 # --- shadow validation: the three cases of Fig. 6 ------------------------------------------------------

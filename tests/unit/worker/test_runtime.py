@@ -55,3 +55,65 @@ def test_a_request_waiting_for_a_block_does_not_delay_another_instances_tokens(t
     assert seen["warm"][-1] - seen["started"][0] < late_s / 2
     # ... and the waiting request went on once the block was in.
     assert seen["loading"][0] - seen["started"][0] >= late_s * 0.9
+
+
+def _order_of_tokens(tiny_checkpoint, schedule: str) -> list[str]:
+    """Two instances, one request each: `urgent` due at once (tight SLOs), `relaxed` in 100 s.
+    The order their tokens come in."""
+    index = CheckpointIndex.load(tiny_checkpoint)
+    blocks = {b.id: load_block(tiny_checkpoint, index, b.id) for b in index.blocks}
+    greedy = SamplingParams(temperature=0, max_tokens=TOKENS)
+
+    async def run() -> list[str]:
+        order: list[str] = []
+        done = asyncio.Event()
+
+        def sink(batch):
+            for _, rid, out, error in batch:
+                assert error is None, error
+                order.append(rid)
+                if len(order) == 2 * TOKENS:
+                    done.set()
+
+        runtime = EngineRuntime(asyncio.get_running_loop(), sink, schedule=schedule)
+        runtime.start()
+        try:
+            for name in ("relaxed", "urgent"):
+                runtime.attach(f"i-{name}", Engine(index, blocks, max_batch_size=2, max_seq_len=64))
+            # Both in before the engine thread steps either (it drains its inbox first).
+            runtime.call(lambda: time.sleep(0.2))
+            now = time.monotonic()
+            runtime.submit("i-relaxed", "relaxed", [4, 5, 6], greedy, slo=(now, 100.0, 1.0))
+            runtime.submit("i-urgent", "urgent", [1, 2, 3], greedy, slo=(now, 0.01, 0.01))
+            await asyncio.wait_for(done.wait(), 30)
+        finally:
+            runtime.stop()
+        return order
+
+    return asyncio.run(run())
+
+
+def test_the_headroom_schedule_runs_the_instance_holding_the_most_urgent_request(tiny_checkpoint):
+    # LLM-Mesh §5.1: the urgent request's instance keeps the engine thread while its headroom
+    # stays the least: every one of its tokens before the relaxed one's first.
+    order = _order_of_tokens(tiny_checkpoint, "headroom")
+    assert order == ["urgent"] * TOKENS + ["relaxed"] * TOKENS
+
+
+def test_the_turns_schedule_steps_every_instance_in_turn(tiny_checkpoint):
+    order = _order_of_tokens(tiny_checkpoint, "turns")
+    assert order.index("relaxed") < order.index("urgent") + 2  # interleaved from the start
+
+
+def test_calls_run_on_the_engine_thread(tiny_checkpoint):
+    import threading
+
+    async def run() -> str:
+        runtime = EngineRuntime(asyncio.get_running_loop(), lambda batch: None)
+        runtime.start()
+        try:
+            return await asyncio.wait_for(runtime.call(lambda: threading.current_thread().name), 10)
+        finally:
+            runtime.stop()
+
+    assert asyncio.run(run()) == "engine"

@@ -1,0 +1,173 @@
+"""LLM-Mesh end to end (sharing=mesh): two models share one worker process; a burst of one
+must not push the other's tokens past its SLO while shadow validation admits requests, and does
+when validation is off. Real processes: NATS, Postgres, registry, planner, load-monitor, one
+worker, gateway; the official `openai` client.
+
+The SLOs are set from a profile of the two checkpoints measured here first (the machine's speed
+varies): the steady model's slack is shorter than one full prefill step of the bursty model, so
+an unvalidated burst makes it late, while validation admits bursty requests only as far as the
+steady model's headroom allows.
+"""
+
+import asyncio
+import concurrent.futures
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from libs.bus.broker import RemoteError, call, make_broker, start_broker
+from libs.checkpoint import CheckpointIndex, convert_checkpoint, create_demo_checkpoint, load_block
+from libs.cluster.launcher import ClusterSpec, free_port, start_cluster, stop_processes
+from libs.engine import Engine
+from libs.engine.profiling import measure_profile
+from libs.protocol import messages as m
+from libs.protocol import subjects
+from conftest import fresh_database, wait_for
+from services.cli.app import deploy_model
+
+pytestmark = pytest.mark.slow
+
+STEADY_TOKENS = 120
+BURST, BURST_PROMPT, BURST_TOKENS = 16, 250, 8
+PROFILE_MAX_LEN = 256
+
+
+def _checkpoint(root: Path, preset: str, seed: int) -> Path:
+    hf = create_demo_checkpoint(root / "hf", preset=preset, arch="llama", seed=seed)
+    convert_checkpoint(hf, root / "blocks", 2)
+    return root / "blocks"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mesh-models")
+    return {"steady": _checkpoint(root / "steady", "tiny", 0), "bursty": _checkpoint(root / "bursty", "small", 1)}
+
+
+@pytest.fixture(scope="module")
+def steady_prompt(checkpoints) -> list[int]:
+    """A prompt the steady model answers with STEADY_TOKENS tokens before any end token (greedy)."""
+    from libs.engine import SamplingParams
+
+    engine = Engine.from_checkpoint(checkpoints["steady"], max_batch_size=1, max_seq_len=512)
+    for k in range(50):
+        prompt = [1, 17 + k, 200, 45 + k]
+        engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=STEADY_TOKENS))
+        outs = []
+        while engine.has_work():
+            outs += engine.step()
+        if outs[-1].finish_reason == "length":
+            return prompt
+    raise AssertionError("no prompt keeps the steady model from ending early")
+
+
+@pytest.fixture(scope="module")
+def bursty_step(checkpoints) -> float:
+    """Seconds of one engine step's full prefill budget of bursty prompts, from a profile
+    measured in this process (one torch thread, as the workers run)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        index = CheckpointIndex.load(checkpoints["bursty"])
+        blocks = {b.id: load_block(checkpoints["bursty"], index, b.id) for b in index.blocks}
+        bursty = measure_profile(lambda b, n: Engine(index, blocks, max_batch_size=b, max_seq_len=n,
+                                                     kv_cache_bytes=1 << 40), PROFILE_MAX_LEN, 2, repeats=3)
+    finally:
+        torch.set_num_threads(threads)
+    return bursty.prefill_time(2048)
+
+
+@pytest.fixture(scope="module")
+def slos(bursty_step) -> dict[str, tuple[float, float]]:
+    """(TTFT, TPOT) SLOs per model: the steady model's slack at the start (its TTFT SLO) is half
+    of one bursty step, and its TPOT SLO lets it gain a sixteenth of a step per token."""
+    return {"steady": (bursty_step / 2, bursty_step / 16), "bursty": (bursty_step / 2, 2 * bursty_step)}
+
+
+def _profile_stored(nats_url: str, model: str) -> bool:
+    async def get() -> bool:
+        broker = make_broker(nats_url)
+        await start_broker(broker)
+        try:
+            await call(broker, subjects.REGISTRY_PROFILE_GET, m.ProfileRef(model=model, device="cpu"),
+                       m.ModelProfile, timeout=2.0)
+            return True
+        except (TimeoutError, RemoteError):
+            return False
+        finally:
+            await broker.stop()
+    return asyncio.run(get())
+
+
+@contextmanager
+def mesh_cluster(tmp_path_factory, postgres_server_url, nats_url, checkpoints, slos, validation: bool):
+    with fresh_database(postgres_server_url) as db:
+        state = start_cluster(ClusterSpec(
+            state_dir=tmp_path_factory.mktemp("mesh-cluster"), port=free_port(), database_url=db, workers=1,
+            nats_url=nats_url, namespace=subjects.PREFIX, heartbeat_ttl_s=2.0,
+            extra_env={"LAYERCAST_SHARING": "mesh", "LAYERCAST_SHADOW_VALIDATION": "1" if validation else "0",
+                       "LAYERCAST_PROFILE_MAX_LEN": str(PROFILE_MAX_LEN)}))
+        try:
+            for name, path in checkpoints.items():
+                ttft, tpot = slos[name]
+                deploy_model(state, name, path, min_instances=1, max_instances=1, keep_alive_s=600,
+                             ttft_slo_s=ttft, tpot_slo_s=tpot)
+            client = openai.OpenAI(base_url=state.gateway_url + "/v1", api_key=state.api_key, timeout=120)
+            for name in checkpoints:  # both served, both profiled by the worker (the registry has them)
+                wait_for(lambda: client.completions.create(model=name, prompt=[1, 2, 3], max_tokens=1), 120,
+                         f"{name} to serve")
+                wait_for(lambda: _profile_stored(nats_url, name), 120, f"the profile of {name}")
+            yield state, client
+        finally:
+            stop_processes(state.processes)
+
+
+def _steady_lateness(client: openai.OpenAI, prompt: list[int], ttft: float,
+                     tpot: float) -> tuple[list[float], list[str]]:
+    """Run the steady stream with the burst starting after its first tokens: each steady token's
+    lateness against eq. 1's deadline ST + TTFT_SLO + TPOT_SLO * O (negative: early), and how
+    each bursty request ended."""
+    started = time.monotonic()
+    lateness: list[float] = []
+    pool = concurrent.futures.ThreadPoolExecutor(BURST)
+    burst: list[concurrent.futures.Future] = []
+
+    def bursty(k: int) -> str:
+        prompt = [(7 + 13 * i + 101 * k) % 500 + 1 for i in range(BURST_PROMPT)]
+        r = client.completions.create(model="bursty", prompt=prompt, max_tokens=BURST_TOKENS, temperature=0)
+        return r.choices[0].finish_reason
+
+    stream = client.completions.create(model="steady", prompt=prompt, max_tokens=STEADY_TOKENS, temperature=0,
+                                       stream=True)
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        lateness.append(time.monotonic() - (started + ttft + tpot * len(lateness)))
+        if len(lateness) == 3:
+            burst = [pool.submit(bursty, k) for k in range(BURST)]
+    ends = [f.result(timeout=300) for f in burst]
+    pool.shutdown()
+    return lateness, ends
+
+
+@pytest.mark.parametrize("validation", [True, False], ids=["validated", "unvalidated"])
+def test_a_burst_of_one_model_does_not_make_the_other_late_while_shadow_validation_admits(
+        validation, tmp_path_factory, postgres_server_url, nats_url, checkpoints, slos, bursty_step,
+        steady_prompt):
+    with mesh_cluster(tmp_path_factory, postgres_server_url, nats_url, checkpoints, slos, validation) as (_, client):
+        ttft, tpot = slos["steady"]
+        lateness, ends = _steady_lateness(client, steady_prompt, ttft, tpot)
+    assert len(lateness) >= STEADY_TOKENS
+    assert len(ends) == BURST and all(e in ("length", "stop") for e in ends)  # every bursty request served
+    worst, step = max(lateness), bursty_step
+    if validation:
+        # Every steady token by its deadline, up to a quarter of a bursty step: the client's own
+        # hops and a loaded machine's noise, well below what one unvalidated step costs.
+        assert worst <= step / 4, f"a steady token came {worst:.3f} s late (a bursty step: {step:.3f} s)"
+    else:
+        # Admitted all at once, the burst's prefill step holds the worker past the steady slack.
+        assert worst > step / 2, f"the unvalidated burst left the steady model on time (worst {worst:.3f} s)"
