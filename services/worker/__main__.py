@@ -57,8 +57,9 @@ def main() -> None:
                    help="with --sharing mesh: refuse a request that would push any request here past its SLO")
     p.add_argument("--profile-max-len", type=int, default=int(env("LAYERCAST_PROFILE_MAX_LEN", "512")),
                    help="with --sharing mesh: the longest prompt a model's profile samples")
-    p.add_argument("--profile-refresh-s", type=float, default=float(env("LAYERCAST_PROFILE_REFRESH_S", "30")),
-                   help="with --sharing mesh: refresh the profiles from live steps this often (0: never)")
+    p.add_argument("--profile-refresh-s", type=float, default=float(env("LAYERCAST_PROFILE_REFRESH_S", "0")),
+                   help="with --sharing mesh: refresh the profiles from live steps this often (0: never, "
+                        "the default)")
     p.add_argument("--health-host", default=env("LAYERCAST_HEALTH_HOST", "127.0.0.1"))
     p.add_argument("--health-port", type=int, default=int(env("LAYERCAST_HEALTH_PORT", "0")))
     a = p.parse_args()

@@ -108,7 +108,9 @@ class WorkerConfig:
     sharing: str = "exclusive"
     shadow_validation: bool = True
     profile_max_len: int = 512  # the longest prompt a profile samples (longer ones extrapolate)
-    profile_refresh_s: float = 30.0  # live steps refresh the profiles this often (0: never)
+    # Live steps refresh the profiles this often (0: never). Off by default: on, it left a
+    # validated model later than the measured profile did (tests/integration/test_mesh_e2e.py).
+    profile_refresh_s: float = 0.0
 
 
 class _HostTierBlocks:
