@@ -1,7 +1,7 @@
 """Layer-range execution over block buffers, KV caches, sampling, and a local serving engine."""
 
 from .grammar import Constraint, grammar_tokenizer
-from .engine import AdmissionError, Engine, TokenOutput, budgeted_stage, checkpoint_eos_ids, local_stages
+from .engine import AdmissionError, Engine, StepShape, TokenOutput, budgeted_stage, checkpoint_eos_ids, local_stages
 from .model import SUPPORTED_MODEL_TYPES, LayerRange, hf_config, warm_up
 from .sampling import SamplingParams, apply_penalties, make_generator, sample_token, token_logprobs
 from .stages import LocalStage, RemoteStage, StageServer
@@ -20,6 +20,7 @@ __all__ = [
     "local_stages",
     "LayerRange",
     "SamplingParams",
+    "StepShape",
     "TokenOutput",
     "hf_config",
     "make_generator",

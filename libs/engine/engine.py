@@ -79,6 +79,17 @@ class TokenOutput:
     choice: int = 0  # which of the request's n choices (SamplingParams.n) the token belongs to
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computed (live profile refresh, LLM-Mesh §5.2): the rows it decoded and
+    their mean sequence length, and the prompt tokens it prefilled over how many rows."""
+
+    decode_rows: int
+    decode_mean_len: float
+    prefill_tokens: int
+    prefill_rows: int
+
+
 @dataclass
 class _Request:
     """One choice of a request (a request with n = 1 is its choice 0): a KV slot's row."""
@@ -180,6 +191,7 @@ class Engine:
         # request id -> its choices, waiting for KV slots (FIFO; admitted together)
         self._queue: OrderedDict[str, list[_Request]] = OrderedDict()
         self._active: OrderedDict[str, _Request] = OrderedDict()  # choice key -> choice holding KV slots
+        self.last_step: StepShape | None = None
 
     @property
     def model(self) -> LayerRange:
@@ -388,7 +400,11 @@ class Engine:
         for group in _split(decoding, self.micro_batches):
             ids = torch.tensor([[r.output_ids[-1]] for r in group], device=self.device)
             passes.append(_Pass(group, ids, 1, sample=(True,) * len(group)))
-        passes += self._prefill_passes(self.token_budget - len(decoding))
+        prefills = self._prefill_passes(self.token_budget - len(decoding))
+        passes += prefills
+        self.last_step = StepShape(
+            len(decoding), sum(len(r.prompt_ids) + len(r.output_ids) for r in decoding) / max(1, len(decoding)),
+            sum(p.q_len * len(p.requests) for p in prefills), len({r.key for p in prefills for r in p.requests}))
         outputs: list[TokenOutput] = []
         for p, logits in zip(passes, self._run_passes(passes)):
             for i, r in enumerate(p.requests):

@@ -3,6 +3,8 @@
 - §5.2 performance quantification: :class:`Profile`, prefill time by 1-D linear interpolation
   over prompt lengths, decode-iteration time by 2-D interpolation over batch size x mean
   sequence length, sampled at powers of two (:func:`sample_points`).
+  A profile is refreshed from live iterations (:func:`refreshed`): each observation pulls the
+  samples around it toward what it saw, never past it.
 - §5.1 headroom (eq. 1) and token-level scheduling: each iteration goes to the instance that
   holds the request with the least headroom (:func:`next_instance`).
 - §5.3 shadow validation: a request joins an instance only if a simulated future of the node
@@ -50,6 +52,8 @@ __all__ = [
     "most_urgent",
     "next_instance",
     "preemption_candidates",
+    "profile_samples",
+    "refreshed",
     "sample_points",
     "shadow_validate",
     "simulate",
@@ -118,6 +122,74 @@ class Profile:
             return 0.0
         by_batch = [_interp(self.lengths, row, mean_len) for row in self.decode_s]
         return _interp(self.batches, by_batch, batch)
+
+
+def _bracket(xs: Sequence[int], x: float) -> tuple[tuple[int, float], ...]:
+    """The samples :func:`_interp` reads at `x`, each with its share of a correction there: the
+    interpolation weights inside; below the first sample, the first alone (its value is used
+    as it is); beyond the last, the last two both in full (scaling both scales the extended
+    segment by exactly as much, so an extrapolated prediction moves no further than asked)."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ((0, 1.0),)
+    if x >= xs[-1]:
+        return ((len(xs) - 2, 1.0), (len(xs) - 1, 1.0))
+    i = bisect.bisect_left(xs, x)
+    w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return ((i - 1, 1.0 - w), (i, w))
+
+
+MAX_CORRECTION = 4.0  # one observation moves a sample by at most this factor (outliers: a GC pause)
+
+
+def _corrected(value: float, weight: float, ratio: float, rate: float) -> float:
+    return value * (1.0 + rate * weight * (ratio - 1.0))
+
+
+def profile_samples(steps: Iterable[tuple[int, float, int, int, float]]
+                    ) -> tuple[list[tuple[int, float, float]], list[tuple[int, float]]]:
+    """Live engine steps as (decode rows, their mean sequence length, prefill tokens, prefill
+    rows, seconds) -> the (decodes, prefills) :func:`refreshed` takes: a step of decodes alone
+    is a decode sample, a step prefilling one prompt alone a prefill sample; a mixed step (or a
+    batched prefill) is no single sample point: left out."""
+    decodes, prefills = [], []
+    for rows, mean_len, prefill_tokens, prefill_rows, seconds in steps:
+        if prefill_tokens == 0 and rows > 0:
+            decodes.append((rows, mean_len, seconds))
+        elif rows == 0 and prefill_rows == 1 and prefill_tokens > 0:
+            prefills.append((prefill_tokens, seconds))
+    return decodes, prefills
+
+
+def refreshed(profile: Profile, decodes: Iterable[tuple[int, float, float]] = (),
+              prefills: Iterable[tuple[int, float]] = (), rate: float = 0.2) -> Profile:
+    """§5.2 "refreshed from live measurements": `profile` after observing decode iterations
+    (batch, mean sequence length, seconds) and prefills (prompt length, seconds).
+
+    Each observation scales the samples interpolation reads there toward its ratio to the
+    prediction, in proportion to their share and `rate` (0 < rate <= 1): at a sample point, or
+    beyond the samples, the prediction moves `rate` of the way to the observation; between
+    samples by less, never past it; an observation equal to the prediction changes nothing.
+    Ratios are clamped to [1/MAX_CORRECTION, MAX_CORRECTION]."""
+    if not 0 < rate <= 1:
+        raise ValueError(f"rate must be in (0, 1], got {rate}")
+    prefill = list(profile.prefill_s)
+    for length, seconds in prefills:
+        predicted = _interp(profile.prefill_lengths, prefill, length)
+        if predicted > 0 and seconds >= 0 and math.isfinite(seconds):
+            ratio = min(MAX_CORRECTION, max(1 / MAX_CORRECTION, seconds / predicted))
+            for i, w in _bracket(profile.prefill_lengths, length):
+                prefill[i] = _corrected(prefill[i], w, ratio, rate)
+    decode = [list(row) for row in profile.decode_s]
+    for batch, mean_len, seconds in decodes:
+        if batch <= 0:
+            continue
+        predicted = _interp(profile.batches, [_interp(profile.lengths, row, mean_len) for row in decode], batch)
+        if predicted > 0 and seconds >= 0 and math.isfinite(seconds):
+            ratio = min(MAX_CORRECTION, max(1 / MAX_CORRECTION, seconds / predicted))
+            for i, wb in _bracket(profile.batches, batch):
+                for j, wl in _bracket(profile.lengths, mean_len):
+                    decode[i][j] = _corrected(decode[i][j], wb * wl, ratio, rate)
+    return replace(profile, prefill_s=tuple(prefill), decode_s=tuple(tuple(r) for r in decode))
 
 
 # --- §5.1 headroom and token-level scheduling ------------------------------------------------------

@@ -504,10 +504,13 @@ class GatewayService(Service):
                                     ttft_slo_s=entry.info.ttft_slo_s, tpot_slo_s=entry.info.tpot_slo_s)
             try:
                 await call(self.broker, subjects.worker_generate(route.worker_id), req, m.GenerateAccepted)
-                span = trace.get_current_span()
-                span.set_attribute("layercast.instance", route.instance_id)
-                span.set_attribute("layercast.worker", route.worker_id)
-                return route
+            except asyncio.CancelledError:
+                # The caller gave up mid-RPC (its client went away): give the slot back, and cancel
+                # on the worker, which may have taken the request. Spawned: this task is cancelled.
+                entry.routes.release(route, sampling.n)
+                self.spawn(publish(self.broker, subjects.worker_cancel(route.worker_id),
+                                   m.CancelRequest(request_id=request_id, instance_id=route.instance_id)))
+                raise
             except (TimeoutError, RemoteError) as e:
                 if isinstance(e, RemoteError) and e.code == "busy":
                     entry.routes.refuse(route, sampling.n)
@@ -518,6 +521,11 @@ class GatewayService(Service):
                 self._dispatch_failed(entry, route, sampling.n, e)
                 failures, refused = failures + 1, False
                 deadline = time.monotonic() + self.config.queue_timeout_s  # as before: each failure waits anew
+            else:
+                span = trace.get_current_span()
+                span.set_attribute("layercast.instance", route.instance_id)
+                span.set_attribute("layercast.worker", route.worker_id)
+                return route
         raise APIError(503, "no instance accepted the request", code="model_unavailable", retry_after=1)
 
     def _dispatch_failed(self, entry: ModelEntry, route: Route, weight: int, e: Exception) -> None:

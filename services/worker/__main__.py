@@ -57,6 +57,9 @@ def main() -> None:
                    help="with --sharing mesh: refuse a request that would push any request here past its SLO")
     p.add_argument("--profile-max-len", type=int, default=int(env("LAYERCAST_PROFILE_MAX_LEN", "512")),
                    help="with --sharing mesh: the longest prompt a model's profile samples")
+    p.add_argument("--profile-refresh-s", type=float, default=float(env("LAYERCAST_PROFILE_REFRESH_S", "0")),
+                   help="with --sharing mesh: refresh the profiles from live steps this often (0: never, "
+                        "the default)")
     p.add_argument("--health-host", default=env("LAYERCAST_HEALTH_HOST", "127.0.0.1"))
     p.add_argument("--health-port", type=int, default=int(env("LAYERCAST_HEALTH_PORT", "0")))
     a = p.parse_args()
@@ -73,6 +76,7 @@ def main() -> None:
         kv_cache_bytes=int(a.kv_cache_gb * (1 << 30)),
         emulated_host_to_device_mbit=a.emulated_host_to_device_mbit, emulated_link_mbit=a.emulated_link_mbit,
         sharing=a.sharing, shadow_validation=a.shadow_validation, profile_max_len=a.profile_max_len,
+        profile_refresh_s=a.profile_refresh_s,
     )
     run(lambda: WorkerService(config), a.health_host, a.health_port)
 

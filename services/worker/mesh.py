@@ -5,6 +5,9 @@ validation. The decisions are libs/planning/mesh.py's; this carries them out.
   thread once the model's blocks are all in engine memory, then stored in the registry for the
   next worker. Until an instance's profile is known, its requests are admitted unvalidated (and
   counted so).
+- Live refresh (§5.2): the engine thread times every step; each `profile_refresh_s` the
+  steps that were pure decodes or a single prefill pull the profile toward what they took
+  (`libs.planning.mesh.refreshed`), and the refreshed profile is stored in the registry.
 - Shadow validation (§5.3): a request joins an instance only if a simulated future of this
   worker's iterations, every instance's requests included, keeps every headroom non-negative;
   otherwise the generate RPC is answered "busy" and the gateway tries another instance or waits.
@@ -32,6 +35,8 @@ from libs.planning.mesh import (
     RunningRequest,
     Validation,
     default_ttft_slo,
+    profile_samples,
+    refreshed,
     shadow_validate,
 )
 from libs.planning.mesh_profiles import device_kind, profile_from_message, profile_to_message
@@ -47,7 +52,10 @@ log = logging.getLogger(__name__)
 ADMISSIONS = Counter("layercast_worker_mesh_admissions_total", "Requests by shadow validation's verdict "
                      "(admitted, unvalidated: no profile yet, or the Fig. 6 case that refused it)",
                      ["model", "verdict"])
+REFRESHES = Counter("layercast_worker_mesh_profile_refreshes_total", "Profiles refreshed from live steps",
+                    ["model"])
 PROFILE_REPEATS = 3
+REFRESH_RATE = 0.05  # each live step moves the profile 5% of the way: noise averages out over ~20 steps
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,35 @@ class MeshNode:
         task = asyncio.ensure_future(self._profile(model, inst.path))
         self._profiling[model] = task
         task.add_done_callback(lambda _: self._profiling.pop(model, None))
+
+    async def refresh_profiles(self) -> list[str]:
+        """Fold the steps timed since the last call into the profiles of their models
+        (`profile_samples`: mixed steps are left out), and store the refreshed ones; the models
+        refreshed."""
+        w = self.worker
+        steps: dict[str, list[tuple[int, float, int, int, float]]] = {}
+        times = w.runtime.step_times
+        while times:
+            instance_id, shape, seconds = times.popleft()
+            inst = w.instances.get(instance_id)
+            if inst is not None and inst.info.mode == "local" and inst.info.model in self.profiles:
+                steps.setdefault(inst.info.model, []).append(
+                    (shape.decode_rows, shape.decode_mean_len, shape.prefill_tokens, shape.prefill_rows, seconds))
+        models = []
+        for model, taken in sorted(steps.items()):
+            decodes, prefills = profile_samples(taken)
+            if not decodes and not prefills:
+                continue
+            models.append(model)
+            self.profiles[model] = refreshed(self.profiles[model], decodes, prefills, REFRESH_RATE)
+            REFRESHES.labels(model).inc()
+            try:
+                await call(w.broker, subjects.REGISTRY_PROFILE_PUT,
+                           profile_to_message(model, self.kind, self.profiles[model], w.config.worker_id),
+                           m.ModelProfile, timeout=5.0)
+            except (TimeoutError, RemoteError) as e:
+                log.warning("could not store the refreshed profile of %s: %s", model, e)
+        return models
 
     async def _profile(self, model: str, path: str) -> None:
         w = self.worker

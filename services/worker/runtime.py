@@ -17,12 +17,13 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from libs.engine import AdmissionError, Engine, SamplingParams, TokenOutput
+from libs.engine import AdmissionError, Engine, SamplingParams, StepShape, TokenOutput
 from libs.planning.mesh import RunningRequest, most_urgent
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,10 @@ class EngineRuntime:
         self._running: dict[tuple[str, str], int] = {}
         # (instance_id, request_id) -> its SLO clock, O = the steps that gave it tokens (headroom)
         self._clocks: dict[tuple[str, str], RunningRequest] = {}
+        # headroom: (instance, what a step computed, its seconds), for live profile refresh; bounded
+        # (a consumer that stops draining loses the oldest, never the worker's memory)
+        self.step_times: deque[tuple[str, StepShape, float]] | None = (
+            deque(maxlen=4096) if schedule == "headroom" else None)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopping = False
 
@@ -237,7 +242,11 @@ class EngineRuntime:
     def _step(self, instance_id: str, engine: Engine, out: list) -> None:
         try:
             stepped: set[str] = set()
-            for o in engine.step():
+            started = time.perf_counter()
+            outputs = engine.step()
+            if self.step_times is not None and engine.last_step is not None:
+                self.step_times.append((instance_id, engine.last_step, time.perf_counter() - started))
+            for o in outputs:
                 key = (instance_id, o.request_id)
                 if key not in self._running:
                     continue  # cancelled while this step ran

@@ -108,6 +108,9 @@ class WorkerConfig:
     sharing: str = "exclusive"
     shadow_validation: bool = True
     profile_max_len: int = 512  # the longest prompt a profile samples (longer ones extrapolate)
+    # Live steps refresh the profiles this often (0: never). Off by default: on, it left a
+    # validated model later than the measured profile did (tests/integration/test_mesh_e2e.py).
+    profile_refresh_s: float = 0.0
 
 
 class _HostTierBlocks:
@@ -271,6 +274,8 @@ class WorkerService(Service):
         self.spawn(self.every(self.config.heartbeat_interval_s, self._heartbeat, "heartbeat", first_now=True))
         # Beside the first commands, not before registering: a cluster comes up no later for it.
         self.spawn(self._warm_up())
+        if self.mesh is not None and self.config.profile_refresh_s > 0:
+            self.spawn(self.every(self.config.profile_refresh_s, self.mesh.refresh_profiles, "profile refresh"))
 
     async def _warm_up(self) -> None:
         """transformers' first-use costs paid now, not by the first instance (libs/engine warm_up)."""

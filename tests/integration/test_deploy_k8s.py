@@ -144,6 +144,17 @@ def test_prod_workers_get_one_gpu_each_and_dev_workers_none():
     assert config(dev)["LAYERCAST_DEVICE"] == "cpu"
 
 
+@pytest.mark.parametrize("overlay", ["dev", "prod"])
+def test_the_sharing_setting_reaches_workers_and_gateway(overlay):
+    objs = objects(overlay)
+    assert config(objs)["LAYERCAST_SHARING"] in ("exclusive", "mesh")
+    for name in ("worker", "gateway"):
+        kind = "StatefulSet" if name == "worker" else "Deployment"
+        [container] = find(objs, kind, name)["spec"]["template"]["spec"]["containers"][:1]
+        assert any(e.get("configMapRef", {}).get("name", "").startswith("layercast-config")
+                   for e in container.get("envFrom", [])), name
+
+
 def references(objs: list[dict]) -> set[tuple[str, str, str | None]]:
     """(kind, name, key) of every ConfigMap, Secret and PVC a pod template uses."""
     refs = set()

@@ -150,18 +150,28 @@ def _entry(routes: ModelRoutes, **slos) -> ModelEntry:
 
 class StandInWorkers:
     """Not workers: plain responders on subjects.worker_generate answering as a mesh worker's
-    generate RPC does, each refusing ("busy") its first `refusals[worker]` requests."""
+    generate RPC does, each refusing ("busy") its first `refusals[worker]` requests; those in
+    `stalled` answer only once `answer` is set. The cancels they are sent are kept."""
 
-    def __init__(self, nats_url: str, refusals: dict[str, int]):
+    def __init__(self, nats_url: str, refusals: dict[str, int], stalled: tuple[str, ...] = ()):
         self.broker = make_broker(nats_url)
-        self.refusals = dict(refusals)
+        self.refusals, self.stalled, self.answer = dict(refusals), stalled, asyncio.Event()
         self.received: list[tuple[str, m.GenerateRequest]] = []
+        self.cancels: list[tuple[str, m.CancelRequest]] = []
         for worker in refusals:
             self.broker.subscriber(subjects.worker_generate(worker))(rpc(m.GenerateRequest)(self._handler(worker)))
+            self.broker.subscriber(subjects.worker_cancel(worker))(self._cancelled(worker))
+
+    def _cancelled(self, worker: str):
+        async def cancel(msg: m.CancelRequest) -> None:
+            self.cancels.append((worker, msg))
+        return cancel
 
     def _handler(self, worker: str):
         async def generate(req: m.GenerateRequest) -> m.GenerateAccepted:
             self.received.append((worker, req))
+            if worker in self.stalled:
+                await self.answer.wait()
             if self.refusals[worker] > 0:
                 self.refusals[worker] -= 1
                 raise DomainError("taking it would push a request past its TPOT SLO", code="busy")
@@ -173,9 +183,10 @@ class StandInWorkers:
 async def gateway_and_workers(nats_url):
     made = []
 
-    async def make(sharing: str, refusals: dict[str, int], queue_timeout_s: float = 5.0):
+    async def make(sharing: str, refusals: dict[str, int], queue_timeout_s: float = 5.0,
+                   stalled: tuple[str, ...] = ()):
         gw = GatewayService(GatewayConfig(sharing=sharing, queue_timeout_s=queue_timeout_s), nats_url)
-        workers = StandInWorkers(nats_url, refusals)
+        workers = StandInWorkers(nats_url, refusals, stalled)
         for b in (gw.broker, workers.broker):
             await start_broker(b)
             made.append(b)
@@ -234,3 +245,27 @@ async def test_exclusive_dispatch_carries_the_deployment_slos_too(gateway_and_wo
     await gw.dispatch(_entry(routes, tpot_slo_s=0.05), "r4", [1], m.SamplingSpec(max_tokens=4))
     (_, req), = workers.received
     assert req.ttft_slo_s is None and req.tpot_slo_s == 0.05  # None: the worker's default, max(2, L/512)
+
+
+async def test_a_dispatch_cancelled_mid_rpc_gives_its_slot_back_and_cancels_on_the_worker(gateway_and_workers):
+    """The client went away while the worker's answer was on its way: the slot is not leaked and
+    the worker, which may have taken the request, is told to drop it."""
+    gw, workers = await gateway_and_workers("exclusive", {"w1": 0}, stalled=("w1",))
+    routes = ModelRoutes("gone", max_queue=4, slots_per_instance=2)
+    routes.add("only", "w1")
+    task = asyncio.create_task(gw.dispatch(_entry(routes), "r5", [1], m.SamplingSpec(max_tokens=4, n=2)))
+    for _ in range(100):
+        if workers.received:
+            break
+        await asyncio.sleep(0.02)
+    assert workers.received and routes.routes["only"].in_flight == 2  # both choices' slots held mid-RPC
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert routes.routes["only"].in_flight == 0
+    for _ in range(100):
+        if workers.cancels:
+            break
+        await asyncio.sleep(0.02)
+    assert [(w, c.request_id, c.instance_id) for w, c in workers.cancels] == [("w1", "r5", "only")]
+    workers.answer.set()

@@ -24,6 +24,8 @@ from libs.planning.mesh import (
     most_urgent,
     next_instance,
     preemption_candidates,
+    profile_samples,
+    refreshed,
     sample_points,
     shadow_validate,
     simulate,
@@ -74,6 +76,63 @@ def test_decode_interpolation_is_exact_on_a_bilinear_surface(batch, mean_len):
     p = linear_profile()
     # Each grid cell of a bilinear function is reproduced exactly by bilinear interpolation.
     assert p.decode_time(batch, mean_len) == pytest.approx(0.02 + 0.005 * batch + 0.00001 * batch * mean_len)
+
+
+# --- live refresh ------------------------------------------------------------------------------------
+
+positive = st.floats(1e-3, 10, allow_nan=False)
+
+
+@given(st.integers(1, 128), st.floats(1, 8192), positive, st.floats(0.05, 1.0))
+def test_a_live_decode_moves_the_prediction_toward_it_and_never_past_it(batch, mean_len, observed, rate):
+    before = linear_profile()
+    predicted = before.decode_time(batch, mean_len)
+    after = refreshed(before, decodes=[(batch, mean_len, observed)], rate=rate).decode_time(batch, mean_len)
+    target = min(4 * predicted, max(predicted / 4, observed))  # ratios are clamped
+    assert min(predicted, target) - 1e-12 <= after <= max(predicted, target) + 1e-12
+    assert abs(after - target) <= abs(predicted - target) + 1e-12
+    assert all(t >= 0 for row in refreshed(before, decodes=[(batch, mean_len, observed)]).decode_s for t in row)
+
+
+@given(st.integers(1, 8192), positive, st.floats(0.05, 1.0))
+def test_a_live_prefill_moves_the_prediction_toward_it_and_never_past_it(length, observed, rate):
+    before = linear_profile()
+    predicted = before.prefill_time(length)
+    after = refreshed(before, prefills=[(length, observed)], rate=rate).prefill_time(length)
+    target = min(4 * predicted, max(predicted / 4, observed))
+    assert min(predicted, target) - 1e-12 <= after <= max(predicted, target) + 1e-12
+
+
+@given(st.integers(1, 128), st.floats(1, 8192), st.integers(1, 8192))
+def test_observations_equal_to_the_predictions_change_nothing(batch, mean_len, length):
+    p = linear_profile()
+    same = refreshed(p, decodes=[(batch, mean_len, p.decode_time(batch, mean_len))],
+                     prefills=[(length, p.prefill_time(length))])
+    flat = lambda q: [t for row in q.decode_s for t in row]  # noqa: E731
+    assert flat(same) == pytest.approx(flat(p)) and same.prefill_s == pytest.approx(p.prefill_s)
+
+
+def test_only_pure_decode_steps_and_single_prefills_are_samples():
+    steps = [(4, 100.0, 0, 0, 0.05),  # four rows decoding
+             (0, 0.0, 256, 1, 0.30),  # one prompt prefilled
+             (2, 50.0, 64, 1, 0.20),  # mixed: no single sample point
+             (0, 0.0, 512, 2, 0.40),  # two prompts batched: neither length alone
+             (0, 0.0, 0, 0, 0.01)]  # nothing computed
+    assert profile_samples(steps) == ([(4, 100.0, 0.05)], [(256, 0.30)])
+
+
+def test_a_node_running_twice_slower_is_learned_at_the_sample_points():
+    """The worker became twice as slow (a neighbour's load): repeated observations at sample
+    points converge on it, and the points no observation touched stay as they were."""
+    p = linear_profile()
+    slow = p
+    for _ in range(40):
+        slow = refreshed(slow, decodes=[(8, 256, 2 * p.decode_time(8, 256))], prefills=[(512, 2 * p.prefill_time(512))])
+    assert slow.decode_time(8, 256) == pytest.approx(2 * p.decode_time(8, 256), rel=1e-3)
+    assert slow.prefill_time(512) == pytest.approx(2 * p.prefill_time(512), rel=1e-3)
+    assert slow.decode_time(1, 1) == p.decode_time(1, 1) and slow.prefill_time(1) == p.prefill_time(1)
+    with pytest.raises(ValueError):
+        refreshed(p, rate=0)
 
 
 def test_a_profile_refuses_samples_out_of_order_or_of_the_wrong_shape():

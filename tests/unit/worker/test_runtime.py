@@ -57,14 +57,14 @@ def test_a_request_waiting_for_a_block_does_not_delay_another_instances_tokens(t
     assert seen["loading"][0] - seen["started"][0] >= late_s * 0.9
 
 
-def _order_of_tokens(tiny_checkpoint, schedule: str) -> list[str]:
+def _run_two(tiny_checkpoint, schedule: str) -> tuple[list[str], list | None]:
     """Two instances, one request each: `urgent` due at once (tight SLOs), `relaxed` in 100 s.
-    The order their tokens come in."""
+    The order their tokens come in, and the steps the runtime timed."""
     index = CheckpointIndex.load(tiny_checkpoint)
     blocks = {b.id: load_block(tiny_checkpoint, index, b.id) for b in index.blocks}
     greedy = SamplingParams(temperature=0, max_tokens=TOKENS)
 
-    async def run() -> list[str]:
+    async def run() -> tuple[list[str], list | None]:
         order: list[str] = []
         done = asyncio.Event()
 
@@ -88,7 +88,7 @@ def _order_of_tokens(tiny_checkpoint, schedule: str) -> list[str]:
             await asyncio.wait_for(done.wait(), 30)
         finally:
             runtime.stop()
-        return order
+        return order, None if runtime.step_times is None else list(runtime.step_times)
 
     return asyncio.run(run())
 
@@ -96,13 +96,26 @@ def _order_of_tokens(tiny_checkpoint, schedule: str) -> list[str]:
 def test_the_headroom_schedule_runs_the_instance_holding_the_most_urgent_request(tiny_checkpoint):
     # LLM-Mesh §5.1: the urgent request's instance keeps the engine thread while its headroom
     # stays the least: every one of its tokens before the relaxed one's first.
-    order = _order_of_tokens(tiny_checkpoint, "headroom")
+    order, _ = _run_two(tiny_checkpoint, "headroom")
     assert order == ["urgent"] * TOKENS + ["relaxed"] * TOKENS
 
 
 def test_the_turns_schedule_steps_every_instance_in_turn(tiny_checkpoint):
-    order = _order_of_tokens(tiny_checkpoint, "turns")
+    order, timed = _run_two(tiny_checkpoint, "turns")
     assert order.index("relaxed") < order.index("urgent") + 2  # interleaved from the start
+    assert timed is None  # no profiles to refresh
+
+
+def test_the_headroom_schedule_times_each_step_with_what_it_computed(tiny_checkpoint):
+    """Live profile refresh reads these: the urgent instance's first step prefilled its prompt
+    alone, every later one decoded its one row, one token longer each time."""
+    _, timed = _run_two(tiny_checkpoint, "headroom")
+    urgent = [(shape, seconds) for inst, shape, seconds in timed if inst == "i-urgent"]
+    assert len(urgent) == TOKENS and all(seconds > 0 for _, seconds in urgent)
+    first = urgent[0][0]
+    assert (first.decode_rows, first.prefill_tokens, first.prefill_rows) == (0, 3, 1)
+    for k, (shape, _) in enumerate(urgent[1:]):
+        assert (shape.decode_rows, shape.decode_mean_len, shape.prefill_tokens) == (1, 4 + k, 0)
 
 
 def test_calls_run_on_the_engine_thread(tiny_checkpoint):
