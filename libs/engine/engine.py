@@ -364,6 +364,41 @@ class Engine:
     def free_slots(self) -> int:
         return self.max_batch_size - len(self._active)
 
+    # -- elastic KV (LLM-Mesh §6.2) ----------------------------------------------------------
+
+    @property
+    def kv_slots(self) -> int:
+        """KV slots each local stage holds now."""
+        return min(st.slots for st in self.stages if isinstance(st, LocalStage))
+
+    @property
+    def kv_slot_bytes(self) -> int:
+        """What one KV slot costs across the local stages."""
+        return sum(st.kv.nbytes // st.kv.slots for st in self.stages if isinstance(st, LocalStage))
+
+    def resize_kv(self, slots: int) -> None:
+        """Every local stage's KV cache to `slots` slots, running requests keeping their KV, and
+        the engine admits up to `slots` at once. All stages or none: a stage that fails puts the
+        ones already resized back. ValueError below the slots in use, or with a remote stage
+        (its cache is another worker's)."""
+        if not all(isinstance(st, LocalStage) for st in self.stages):
+            raise ValueError("an engine with remote stages cannot resize their KV caches")
+        if slots < max(len(self._active), 1):
+            raise ValueError(f"cannot resize the KV cache to {slots} slots: {len(self._active)} in use")
+        if slots >= self.token_budget:  # the constructor's rule: a step decodes every slot, with room to prefill
+            raise ValueError(f"{slots} slots need a token budget above {self.token_budget}")
+        done: list[tuple[LocalStage, int]] = []
+        try:
+            for st in self.stages:
+                old = st.slots
+                st.resize(slots)
+                done.append((st, old))
+        except BaseException:
+            for st, old in reversed(done):
+                st.resize(old)
+            raise
+        self.max_batch_size = slots
+
     def context_ids(self, request_id: str) -> list[int]:
         """Prompt + generated tokens of a request: what another worker needs to take it over."""
         req = self._only(request_id)

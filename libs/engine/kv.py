@@ -57,11 +57,35 @@ class SlotKVCache:
         self.slots, self.max_seq_len = slots, max_seq_len
         shape = (slots, kv_heads, max_seq_len, head_dim)
         device = torch.device(device)
+        self._head_shape, self._dtype = shape[1:], dtype
         self.keys = [_zeros(shape, dtype, device) for _ in range(layer_start, layer_end)]
         self.values = [_zeros(shape, dtype, device) for _ in range(layer_start, layer_end)]
         self.lengths = [0] * slots  # tokens held per slot
         self._free = list(range(slots - 1, -1, -1))
         self.device = torch.device(device)
+
+    def resize(self, slots: int) -> dict[int, int]:
+        """A new pool of `slots` slots holding every live slot's KV (elastic KV, LLM-Mesh §6.2):
+        live slots are renumbered 0..k-1 in order; returns old slot id -> new. Refuses (ValueError)
+        to go below the slots in use. Only the tokens held are copied: on the CPU the new pool's
+        untouched pages cost no memory."""
+        free = set(self._free)
+        live = [s for s in range(self.slots) if s not in free]
+        if slots < max(len(live), 1):
+            raise ValueError(f"cannot resize a KV cache to {slots} slots: {len(live)} in use")
+        moved = {old: new for new, old in enumerate(live)}
+        old_pools = (*self.keys, *self.values)
+        new_pools = [_zeros((slots, *self._head_shape), self._dtype, self.device) for _ in old_pools]
+        for old_t, new_t in zip(old_pools, new_pools):
+            for old, new in moved.items():
+                if n := self.lengths[old]:
+                    new_t[new, :, :n] = old_t[old, :, :n]
+        half = len(new_pools) // 2
+        self.keys, self.values = new_pools[:half], new_pools[half:]
+        self.lengths = [self.lengths[s] for s in live] + [0] * (slots - len(live))
+        self._free = list(range(slots - 1, len(live) - 1, -1))
+        self.slots = slots
+        return moved
 
     @property
     def free_slots(self) -> int:

@@ -75,6 +75,11 @@ class LocalStage:
         if slot is not None:
             self.kv.release(slot)
 
+    def resize(self, slots: int) -> None:
+        """Its KV cache to `slots` slots, every open request keeping its KV (SlotKVCache.resize)."""
+        moved = self.kv.resize(slots)
+        self._slot = {r: moved[s] for r, s in self._slot.items()}
+
     def fork(self, src_id: str, dst_id: str, length: int) -> None:
         self.kv.copy(self._slot[src_id], self._slot[dst_id], length)
 
