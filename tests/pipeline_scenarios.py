@@ -94,8 +94,6 @@ def warm(cluster) -> str:
     wait_for(lambda: sum(i["state"] == "ready" for i in described(cluster)["instances"]) == 2, 90,
              "two warm instances")
     wait_for(lambda: all(i["loaded_at"] for i in described(cluster)["instances"]), 30, "both loaded")
-    # The precondition of a k = 2 plan: both copies in the registry's view, from live workers.
-    wait_for(lambda: len(host_copies(cluster)) >= 2, 30, "two full host copies on live workers")
     return complete(cluster)
 
 
@@ -131,8 +129,11 @@ def serves_before_any_receiver_holds_the_model_then_switches(cluster, nats_url):
         time.sleep(1.0)  # requests moved by the switch finish on the local instances
     texts, errors = clients.texts, clients.errors
 
-    # Both warm workers send (k = 2): a source missing here was taken for dead or lost its copy.
-    assert op["plan"]["algorithm"] == "binomial" and op["plan"]["k"] == 2, (op, expirations(cluster))
+    # Two receivers (k = 2). A race to know: should the parameter pool's copy (planned on a
+    # non-serving worker after the deploy) be complete first, that worker is a target loading
+    # its own copy and one receiver is left (k = 1): the plan and the host copies say so.
+    assert op["plan"]["algorithm"] == "binomial" and op["plan"]["k"] == 2, (op, host_copies(cluster),
+                                                                          expirations(cluster))
     assert op["plan"]["pipelines"] == [sorted(op["plan"]["receivers"], key=op["plan"]["receivers"].index)]
     timings = op["timings"]
     ready = [t for k, t in timings.items() if k.startswith("pipeline_ready:")]
