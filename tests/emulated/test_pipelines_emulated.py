@@ -22,15 +22,13 @@ def four_blocks(tmp_path_factory):
     return scenario.four_blocks(tmp_path_factory)
 
 
-
-
 def _cluster(tmp_path_factory, postgres_server_url, checkpoint, link_mbit: float, extra_env: dict | None = None):
-    emulation = EmulatedCluster(4, link_mbit=link_mbit).start()
+    emulation = EmulatedCluster(scenario.WORKERS, link_mbit=link_mbit).start()
     try:
         with running_cluster(
                 postgres_server_url, checkpoint, scenario.DEPLOY, emulation=emulation,
                 state_dir=tmp_path_factory.mktemp("cluster"), api_key=scenario.API_KEY,
-                admin_key=scenario.ADMIN_KEY, workers=4, namespace=subjects.PREFIX, heartbeat_ttl_s=3.0,
+                admin_key=scenario.ADMIN_KEY, workers=scenario.WORKERS, namespace=subjects.PREFIX, heartbeat_ttl_s=3.0,
                 extra_env={"LAYERCAST_SCALE_DOWN_DELAY": "600", **(extra_env or {})}) as state:
             yield state
     finally:

@@ -20,7 +20,7 @@ def _cluster(tmp_path_factory, nats_url, postgres_server_url, checkpoint, link_m
     return running_cluster(
         postgres_server_url, checkpoint, scenario.DEPLOY,
         state_dir=tmp_path_factory.mktemp("cluster"), api_key=scenario.API_KEY, admin_key=scenario.ADMIN_KEY,
-        workers=4, nats_url=nats_url, namespace=subjects.PREFIX, heartbeat_ttl_s=3.0,
+        workers=scenario.WORKERS, nats_url=nats_url, namespace=subjects.PREFIX, heartbeat_ttl_s=3.0,
         # about a second or more per block on each link: the multicast takes seconds, so its stages are visible
         extra_env={"LAYERCAST_SCALE_DOWN_DELAY": "600", "LAYERCAST_EMULATED_LINK_MBIT": link_mbit})
 
