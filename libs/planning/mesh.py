@@ -17,8 +17,10 @@
   an operation may be issued, a pessimistic tracking whether it may start now; a scale-up that
   could overrun memory waits in a reservation station until a scale-down completes
   (:class:`MemoryState`, :func:`issue`, :func:`complete`).
-- §7 defragmentation: the neighbours an instance may preempt (smaller batch, smallest first)
-  and bin-packing order (largest batch first), CPU workers before GPU workers.
+- §7 defragmentation: the neighbours an instance preempts when a request fails validation
+  (smaller batches, smallest first, only those whose requests can still meet their SLOs
+  elsewhere: :func:`plan_preemption`) and bin-packing order (largest batch first), CPU workers
+  before GPU workers.
 
 No I/O; time is passed in.
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -41,6 +43,7 @@ __all__ = [
     "RunningRequest",
     "Validation",
     "bin_packing_key",
+    "can_move",
     "candidate_order",
     "complete",
     "default_ttft_slo",
@@ -51,6 +54,7 @@ __all__ = [
     "kv_resize",
     "most_urgent",
     "next_instance",
+    "plan_preemption",
     "preemption_candidates",
     "profile_samples",
     "refreshed",
@@ -203,6 +207,7 @@ class RunningRequest:
     generated: int = 0  # O: tokens out so far; 0 = its prefill is still to run
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = DEFAULT_TPOT_SLO_S
+    movable: bool = True  # may be preempted (§7.1); a request moved once already stays where it is
 
     def deadline(self) -> float:
         """When its next token is due: ST + TTFT_SLO + TPOT_SLO * O."""
@@ -367,6 +372,31 @@ def preemption_candidates(node: Iterable[MeshInstance], requester: MeshInstance)
     an enlarged instance is never broken up to grow a smaller one)."""
     return sorted((i for i in node if i.id != requester.id and i.batch < requester.batch),
                   key=lambda i: (i.batch, i.id))
+
+
+def can_move(request: RunningRequest, profile: Profile, now: float, margin: float = MARGIN) -> bool:
+    """§7.1's check that a preempted request still meets its SLO after rescheduling: elsewhere it
+    first prefills its prompt and the tokens so far again (the hand-over), which its headroom
+    must cover with the margin, as shadow validation overestimates every iteration."""
+    redo = profile.prefill_time(request.prompt_len + request.generated) * (1 + margin)
+    return request.movable and request.headroom(now) >= redo
+
+
+def plan_preemption(node: Sequence[MeshInstance], target: MeshInstance, new: RunningRequest, now: float,
+                    elsewhere: Collection[str], margin: float = MARGIN) -> tuple[MeshInstance, ...]:
+    """§7.1 proactive defragmentation: when `new` fails shadow validation on `target`, the
+    neighbours whose requests to move elsewhere so that it passes: the fewest of
+    :func:`preemption_candidates` (smaller batches than `target`'s, the smallest first), each of
+    a model in `elsewhere` (it has an instance on another node to go on at) and with every
+    request able to move (:func:`can_move`); () when none make room."""
+    movable = [i for i in preemption_candidates(node, target) if i.model in elsewhere and i.requests
+               and all(can_move(r, i.profile, now, margin) for r in i.requests)]
+    for k in range(1, len(movable) + 1):
+        gone = {i.id for i in movable[:k]}
+        rest = [replace(i, requests=()) if i.id in gone else i for i in node]
+        if shadow_validate(rest, target, new, now, margin).ok:
+            return tuple(movable[:k])
+    return ()
 
 
 def eviction_victim(requests: Iterable[RunningRequest], now: float) -> RunningRequest | None:

@@ -638,6 +638,9 @@ class TokenEvent(Message):
     finish_reason: Literal["stop", "length", "cancelled", "error"] | None = None
     prompt_tokens: int = 0
     error: str | None = None
+    # With `error`: the worker moved the request out (sharing=mesh preemption, LLM-Mesh §7.1), a
+    # planned hand-over rather than a failure.
+    preempted: bool = False
     # The instance that sent it: after a hand-over the gateway drops whatever the instance it
     # left still sends (a late token, or the error of the failure it already handled).
     instance_id: str | None = None

@@ -137,7 +137,7 @@ class Generation:
         self.prompt_ids, self.sampling = prompt_ids, sampling
         self.prompt_len, self.started, self.span = len(prompt_ids), started, span
         self.handovers = 0
-        self.switches = 0  # hand-overs of a pipeline's mode switch: planned, not failures
+        self.switches = 0  # hand-overs of a pipeline's mode switch or a preemption: planned, not failures
         self.queue: asyncio.Queue[m.TokenEvent] = asyncio.Queue()
         self.choices = [_Choice(entry.tokenizer, stops) for _ in range(sampling.n)]
 
@@ -169,6 +169,7 @@ class Generation:
             if ev.instance_id is not None and ev.instance_id != self.route.instance_id:
                 continue  # from the instance this request was handed over from: stale
             if ev.error is not None:
+                self.switches += ev.preempted  # a worker's preemption (sharing=mesh): planned, not a failure
                 if await self._hand_over(ev.error):
                     continue
                 raise APIError(503, f"generation failed: {ev.error}", code="generation_failed", retry_after=1)

@@ -55,6 +55,9 @@ def main() -> None:
     p.add_argument("--shadow-validation", action=argparse.BooleanOptionalAction,
                    default=env("LAYERCAST_SHADOW_VALIDATION", "1") not in ("0", "false", "no"),
                    help="with --sharing mesh: refuse a request that would push any request here past its SLO")
+    p.add_argument("--preemption", action=argparse.BooleanOptionalAction,
+                   default=env("LAYERCAST_PREEMPTION", "1") not in ("0", "false", "no"),
+                   help="with shadow validation: a refused request may move smaller instances' requests elsewhere")
     p.add_argument("--profile-max-len", type=int, default=int(env("LAYERCAST_PROFILE_MAX_LEN", "512")),
                    help="with --sharing mesh: the longest prompt a model's profile samples")
     p.add_argument("--profile-refresh-s", type=float, default=float(env("LAYERCAST_PROFILE_REFRESH_S", "0")),
@@ -75,7 +78,8 @@ def main() -> None:
         load_threads=a.load_threads, transport=a.transport, rdma_device=a.rdma_device,
         kv_cache_bytes=int(a.kv_cache_gb * (1 << 30)),
         emulated_host_to_device_mbit=a.emulated_host_to_device_mbit, emulated_link_mbit=a.emulated_link_mbit,
-        sharing=a.sharing, shadow_validation=a.shadow_validation, profile_max_len=a.profile_max_len,
+        sharing=a.sharing, shadow_validation=a.shadow_validation, preemption=a.preemption,
+        profile_max_len=a.profile_max_len,
         profile_refresh_s=a.profile_refresh_s,
     )
     run(lambda: WorkerService(config), a.health_host, a.health_port)

@@ -11,6 +11,9 @@ validation. The decisions are libs/planning/mesh.py's; this carries them out.
 - Shadow validation (§5.3): a request joins an instance only if a simulated future of this
   worker's iterations, every instance's requests included, keeps every headroom non-negative;
   otherwise the generate RPC is answered "busy" and the gateway tries another instance or waits.
+- Proactive defragmentation (§7.1): before answering "busy", an instance may preempt smaller
+  neighbours whose requests can still meet their SLOs elsewhere; those requests end here with
+  a `preempted` error event and the gateway hands them over with their tokens so far.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from libs.planning.mesh import (
     RunningRequest,
     Validation,
     default_ttft_slo,
+    plan_preemption,
     profile_samples,
     refreshed,
     shadow_validate,
@@ -54,7 +58,10 @@ ADMISSIONS = Counter("layercast_worker_mesh_admissions_total", "Requests by shad
                      ["model", "verdict"])
 REFRESHES = Counter("layercast_worker_mesh_profile_refreshes_total", "Profiles refreshed from live steps",
                     ["model"])
+PREEMPTIONS = Counter("layercast_worker_mesh_preemptions_total", "Requests moved elsewhere by a preemption "
+                      "(§7.1: a larger instance took their instance's share of this worker)", ["model"])
 PROFILE_REPEATS = 3
+ELSEWHERE_REFRESH_S = 2.0  # a preempted request that finds no room there waits at the gateway, not lost
 REFRESH_RATE = 0.05  # each live step moves the profile 5% of the way: noise averages out over ~20 steps
 
 
@@ -77,10 +84,25 @@ class Admitted:
     start: float  # time.monotonic() on arrival
     prompt_len: int
     slo: Slo
+    movable: bool = True  # not handed over here already: a preemption may move it (once)
 
     def rows(self, request_id: str, generated: Iterable[int]) -> list[RunningRequest]:
-        return [RunningRequest(f"{request_id}#{i}", self.start, self.prompt_len, g, self.slo.ttft_s, self.slo.tpot_s)
+        return [RunningRequest(f"{request_id}#{i}", self.start, self.prompt_len, g, self.slo.ttft_s, self.slo.tpot_s,
+                               self.movable)
                 for i, g in enumerate(generated)]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Admission: shadow validation's, and when it refused, the neighbours whose requests move
+    elsewhere to make room (§7.1), which admits the request once they are preempted."""
+
+    validation: Validation
+    preempt: tuple[str, ...] = ()  # instance ids
+
+    @property
+    def ok(self) -> bool:
+        return self.validation.ok or bool(self.preempt)
 
 
 class MeshNode:
@@ -89,6 +111,9 @@ class MeshNode:
         self.validate = validate
         self.kind = device_kind(worker.config.device)
         self.profiles: dict[str, Profile] = {}  # model -> its profile on this device kind
+        # Models with a ready instance on another worker (from the registry, every
+        # ELSEWHERE_REFRESH_S): where a preemption's requests can go on (§7.1).
+        self.elsewhere: frozenset[str] = frozenset()
         self._profiling: dict[str, asyncio.Task] = {}
 
     # --- admission ------------------------------------------------------------------------------
@@ -106,16 +131,18 @@ class MeshNode:
                 out.append(MeshInstance(iid, inst.info.model, profile, tuple(rows.get(iid, ())), self.kind))
         return out
 
-    def admit(self, inst: Instance, request_id: str, prompt_len: int, n: int, slo: Slo, now: float) -> Validation:
-        """Whether a request of `n` choices may join `inst` now (shadow validation, §5.3)."""
+    def admit(self, inst: Instance, request_id: str, prompt_len: int, n: int, slo: Slo, now: float,
+              preempt: bool = True) -> Verdict:
+        """Whether a request of `n` choices may join `inst` now (shadow validation, §5.3), and
+        if not, whether preempting smaller neighbours makes room (§7.1)."""
         model = inst.info.model
         if not self.validate:
-            return Validation(True)
+            return Verdict(Validation(True))
         node = self._node(now)
         target = next((i for i in node if i.id == inst.info.instance_id), None)
         if target is None:
             ADMISSIONS.labels(model, "unvalidated").inc()
-            return Validation(True, detail="no profile yet")
+            return Verdict(Validation(True, detail="no profile yet"))
         # n choices are n rows; validate the first, the others join with it (as the batch grows).
         joined = Admitted(inst.info.instance_id, now, prompt_len, slo).rows(request_id, [0] * n)
         others = joined[1:]
@@ -125,8 +152,17 @@ class MeshNode:
             node = [target_with if i.id == target.id else i for i in node]
             target = target_with
         verdict = shadow_validate(node, target, joined[0], now)
-        ADMISSIONS.labels(model, "admitted" if verdict.ok else verdict.case).inc()
-        return verdict
+        victims = () if verdict.ok or not preempt else plan_preemption(node, target, joined[0], now, self.elsewhere)
+        ADMISSIONS.labels(model, "admitted" if verdict.ok else "preempting" if victims else verdict.case).inc()
+        return Verdict(verdict, tuple(v.id for v in victims))
+
+    async def refresh_elsewhere(self) -> None:
+        """The models served on other workers too, from the registry's view."""
+        view = await call(self.worker.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0),
+                          m.ClusterView, timeout=5.0)
+        me = self.worker.config.worker_id
+        self.elsewhere = frozenset(i.model for i in view.instances
+                                   if i.state == m.InstanceState.ready and i.entry_worker != me)
 
     # --- profiles -------------------------------------------------------------------------------
     def ensure_profile(self, inst: Instance) -> None:

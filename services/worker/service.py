@@ -41,7 +41,7 @@ from libs.transfer.transports import make_transport
 from services.common.runner import Service
 from services.worker.host_cache import HostBlockCache
 from services.worker.loading import Instance, InstanceLoading
-from services.worker.mesh import Admitted, MeshNode, Slo
+from services.worker.mesh import ELSEWHERE_REFRESH_S, PREEMPTIONS, Admitted, MeshNode, Slo
 from services.worker.pipelines import PipelineStages
 from services.worker.runtime import EngineRuntime
 from services.worker.transfers import TransferAgent
@@ -107,6 +107,9 @@ class WorkerConfig:
     # against profiled iteration times (off: `shadow_validation`).
     sharing: str = "exclusive"
     shadow_validation: bool = True
+    # With shadow validation: a refused request may preempt smaller instances here whose
+    # requests can still meet their SLOs elsewhere (LLM-Mesh §7.1); they are handed over.
+    preemption: bool = True
     profile_max_len: int = 512  # the longest prompt a profile samples (longer ones extrapolate)
     # Live steps refresh the profiles this often (0: never). Off by default: on, it left a
     # validated model later than the measured profile did (tests/integration/test_mesh_e2e.py).
@@ -274,6 +277,8 @@ class WorkerService(Service):
         self.spawn(self.every(self.config.heartbeat_interval_s, self._heartbeat, "heartbeat", first_now=True))
         # Beside the first commands, not before registering: a cluster comes up no later for it.
         self.spawn(self._warm_up())
+        if self.mesh is not None and self.mesh.validate and self.config.preemption:
+            self.spawn(self.every(ELSEWHERE_REFRESH_S, self.mesh.refresh_elsewhere, "models served elsewhere"))
         if self.mesh is not None and self.config.profile_refresh_s > 0:
             self.spawn(self.every(self.config.profile_refresh_s, self.mesh.refresh_profiles, "profile refresh"))
 
@@ -417,6 +422,26 @@ class WorkerService(Service):
                 req.span.end()
                 del self.requests[request_id]
 
+    def _preempt(self, instance_id: str, by: str) -> None:
+        """§7.1: end every request of `instance_id` here with a `preempted` error event; the
+        gateway hands each over with its tokens so far (a planned move, not a failure). No await
+        before the last one is gone, so the admission that asked for it sees the room."""
+        why = f"preempted by instance {by} (LLM-Mesh §7.1)"
+        for request_id, req in list(self.requests.items()):
+            if req.instance_id != instance_id or not req.next_index:
+                continue
+            del self.requests[request_id]
+            self.runtime.cancel(instance_id, request_id)
+            choice = min(req.next_index)
+            ev = m.TokenEvent(request_id=request_id, index=req.next_index[choice], finished=True,
+                              finish_reason="error", error=why, preempted=True, instance_id=instance_id,
+                              choice=choice)
+            req.span.add_event("preempted", {"layercast.by": by})
+            req.span.end()
+            PREEMPTIONS.labels(req.model).inc()
+            self.spawn(publish(self.broker, req.reply_subject, ev))
+        log.info("instance %s preempted by %s", instance_id, by)
+
     def _require_checkpoint(self, path: str) -> None:
         if not os.path.isdir(path):
             raise DomainError(f"checkpoint path {path!r} is not readable on {self.config.worker_id}",
@@ -525,11 +550,14 @@ class WorkerService(Service):
                 # against a node that includes this one.
                 now, slo = time.monotonic(), Slo.of(req)
                 verdict = self.mesh.admit(inst, req.request_id, len(req.prompt_ids) + min(map(len, choices.values())),
-                                          len(choices), slo, now)
+                                          len(choices), slo, now, preempt=self.config.preemption)
                 if not verdict.ok:
-                    raise DomainError(f"{wid} cannot take it within its SLOs now ({verdict.case}: "
-                                      f"{verdict.detail})", code="busy")
-                admitted = Admitted(req.instance_id, now, len(req.prompt_ids), slo)
+                    v = verdict.validation
+                    raise DomainError(f"{wid} cannot take it within its SLOs now ({v.case}: {v.detail})", code="busy")
+                for victim in verdict.preempt:
+                    self._preempt(victim, by=req.instance_id)
+                resumed = bool(req.generated_ids) or any(req.choices.values())
+                admitted = Admitted(req.instance_id, now, len(req.prompt_ids), slo, movable=not resumed)
             span = _tracer.start_span("worker.generate", attributes={
                 "layercast.model": req.model, "layercast.worker": wid, "layercast.instance": req.instance_id,
                 "layercast.prompt_tokens": len(req.prompt_ids)})

@@ -4,6 +4,7 @@ try another instance or wait."""
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
@@ -13,6 +14,7 @@ from prometheus_client import REGISTRY
 from libs.bus.broker import DomainError, make_broker, rpc, start_broker
 from libs.protocol import messages as m
 from libs.protocol import subjects
+from services.gateway import service as gateway
 from services.gateway.errors import APIError
 from services.gateway.routing import ModelRoutes
 from services.gateway.service import GatewayConfig, GatewayService, ModelEntry
@@ -269,3 +271,70 @@ async def test_a_dispatch_cancelled_mid_rpc_gives_its_slot_back_and_cancels_on_t
         await asyncio.sleep(0.02)
     assert [(w, c.request_id, c.instance_id) for w, c in workers.cancels] == [("w1", "r5", "only")]
     workers.answer.set()
+
+
+# --- preemption (§7.1): a worker moves a request out, the gateway hands it over -----------------
+
+
+class _Letters:
+    def decode(self, ids, **_):
+        return "".join(chr(ord("a") + t) for t in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [chr(ord("a") + t) for t in ids]
+
+
+async def _moved_three_times(monkeypatch, preempted: bool) -> tuple[str, list[list[int]]]:
+    """A request moved out of its instance after each of its first three tokens: the text the
+    client gets (or the error it ends with) and the tokens each hand-over resumed from."""
+    async def publish(*_a, **_k):
+        pass
+
+    monkeypatch.setattr(gateway, "publish", publish)
+    routes = ModelRoutes("m", max_queue=4, slots_per_instance=8, sharing="mesh")
+    for k in range(4):
+        routes.add(f"i{k}", f"w{k}")
+    resumed: list[list[int]] = []
+
+    def run_on(k: int, tokens: int):
+        """Instance i{k}: its next token; moved out after it, or the last one."""
+        ev = [m.TokenEvent(request_id="r", index=tokens, token_id=tokens, instance_id=f"i{k}",
+                           finished=tokens == 3, finish_reason="length" if tokens == 3 else None)]
+        if tokens < 3:
+            ev.append(m.TokenEvent(request_id="r", index=tokens + 1, finished=True, finish_reason="error",
+                                   error="preempted by instance x", preempted=preempted, instance_id=f"i{k}"))
+        for e in ev:
+            gen.queue.put_nowait(e)
+
+    async def dispatch(entry, request_id, prompt_ids, sampling, generated_ids=(), choices=None):
+        resumed.append(list(generated_ids))
+        k = len(resumed)
+        run_on(k, len(generated_ids))
+        routes.routes[f"i{k}"].in_flight += 1
+        return routes.routes[f"i{k}"]
+
+    gw = SimpleNamespace(config=GatewayConfig(first_token_timeout_s=2, token_timeout_s=2), dispatch=dispatch,
+                         broker=None, streams={})
+    entry = SimpleNamespace(info=SimpleNamespace(name="m"), tokenizer=_Letters(), eos_ids=[], routes=routes,
+                            ttft_samples=[])
+    routes.routes["i0"].in_flight += 1
+    gen = gateway.Generation(gw, entry, routes.routes["i0"], "r", [5], m.SamplingSpec(max_tokens=4), [], 0.0,
+                             SimpleNamespace(add_event=lambda *a, **k: None, set_attribute=lambda *a: None,
+                                             end=lambda: None))
+    run_on(0, 0)
+    try:
+        text = "".join([p.text async for p in gen])
+    except APIError as e:
+        text = f"{e.status}: {e.message}"
+    return text, resumed
+
+
+async def test_a_preempted_request_is_handed_over_as_often_as_it_is_moved(monkeypatch):
+    text, resumed = await _moved_three_times(monkeypatch, preempted=True)
+    assert text == "abcd" and resumed == [[0], [0, 1], [0, 1, 2]]  # one unbroken stream
+
+
+async def test_three_failures_still_end_a_request(monkeypatch):
+    # The same events without `preempted` are failures: the third is one too many.
+    text, resumed = await _moved_three_times(monkeypatch, preempted=False)
+    assert text.startswith("503") and len(resumed) == 2

@@ -2,6 +2,7 @@
 shadow-validation cases of Fig. 6, watermarks and the reservation station."""
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -13,6 +14,7 @@ from libs.planning.mesh import (
     MeshInstance,
     Profile,
     RunningRequest,
+    can_move,
     candidate_order,
     complete,
     default_ttft_slo,
@@ -23,6 +25,7 @@ from libs.planning.mesh import (
     kv_resize,
     most_urgent,
     next_instance,
+    plan_preemption,
     preemption_candidates,
     profile_samples,
     refreshed,
@@ -262,6 +265,59 @@ def test_cpu_first_then_the_largest_batch_and_preemption_only_of_smaller_batches
     assert [i.id for i in candidate_order([gpu, cpu_small, cpu_big])] == ["c2", "c1", "g"]
     assert [i.id for i in preemption_candidates([gpu, cpu_small, cpu_big], gpu)] == ["c1", "c2"]
     assert preemption_candidates([gpu, cpu_small, cpu_big], cpu_small) == []
+
+
+def crowded_node(victim_headroom_s: float = 50.0, movable: bool = True):
+    """A (batch 2) and B (batch 1) on one node; one decode round over both is 0.11 s + 0.11 s with
+    the margin, over a 0.2 s TPOT SLO: a third request on A fits only once B's request leaves."""
+    p = Profile((1, 4096), (0.01, 0.01), (1, 2, 3), (1, 4096), ((0.1, 0.1), (0.1, 0.1), (0.1, 0.1)))
+
+    def req(rid, ttft=100.0):
+        return RunningRequest(rid, start=0.0, prompt_len=8, generated=1, ttft_slo_s=ttft, tpot_slo_s=0.2)
+    a = MeshInstance("a", "m1", p, (req("a0"), req("a1")))
+    b = MeshInstance("b", "m2", p, (replace(req("b0", victim_headroom_s - 0.2), movable=movable),))
+    new = RunningRequest("new", start=0.0, prompt_len=8, ttft_slo_s=100.0, tpot_slo_s=0.2)
+    return [a, b], new
+
+
+def test_a_larger_instance_preempts_a_smaller_neighbour_whose_requests_can_move():
+    node, new = crowded_node()
+    assert not shadow_validate(node, node[0], new, now=0.0).ok
+    assert [i.id for i in plan_preemption(node, node[0], new, 0.0, {"m1", "m2"})] == ["b"]
+    # Never the other way round: B (batch 1) may not break A (batch 2) up.
+    assert plan_preemption(node, node[1], new, 0.0, {"m1", "m2"}) == ()
+    # Nor when B's model has no instance elsewhere to go on at.
+    assert plan_preemption(node, node[0], new, 0.0, {"m1"}) == ()
+
+
+def test_no_preemption_of_requests_that_would_miss_their_slo_or_moved_once_already():
+    node, new = crowded_node(victim_headroom_s=0.005)  # less than its prefill again (0.011 s)
+    assert not can_move(node[1].requests[0], node[1].profile, 0.0)
+    assert plan_preemption(node, node[0], new, 0.0, {"m2"}) == ()
+    node, new = crowded_node(movable=False)
+    assert plan_preemption(node, node[0], new, 0.0, {"m2"}) == ()
+
+
+instances = st.lists(st.tuples(st.integers(0, 4), st.floats(0.01, 5)), min_size=1, max_size=5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(instances, st.integers(1, 5), st.floats(0.15, 0.4))  # TPOT SLOs where preemption often helps
+def test_a_preemption_is_the_fewest_smaller_neighbours_and_makes_the_request_fit(shape, target_batch, tpot):
+    p = linear_profile(0.001, 0.02, 0.01, 0.0)
+
+    def reqs(prefix, n, ttft):
+        return tuple(RunningRequest(f"{prefix}{k}", 0.0, 16, 1 + k, ttft, tpot) for k in range(n))
+    node = [MeshInstance("t", "m0", p, reqs("t", target_batch, 5.0))]
+    node += [MeshInstance(f"n{j}", f"m{j + 1}", p, reqs(f"n{j}.", b, ttft)) for j, (b, ttft) in enumerate(shape)]
+    new = RunningRequest("new", 0.0, 16, 0, 5.0, tpot)
+    victims = plan_preemption(node, node[0], new, 0.0, {i.model for i in node})
+    if not victims or shadow_validate(node, node[0], new, 0.0).ok:
+        return  # (asked only once validation failed)
+    assert all(v.batch < node[0].batch and all(can_move(r, v.profile, 0.0) for r in v.requests) for v in victims)
+    emptied = lambda gone: [replace(i, requests=()) if i.id in gone else i for i in node]  # noqa: E731
+    assert shadow_validate(emptied({v.id for v in victims}), node[0], new, 0.0).ok
+    assert not shadow_validate(emptied({v.id for v in victims[:-1]}), node[0], new, 0.0).ok
 
 
 def test_the_eviction_victim_has_the_longest_headroom():

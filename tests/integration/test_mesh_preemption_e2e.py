@@ -1,0 +1,174 @@
+"""LLM-Mesh's proactive defragmentation (§7.1) on real worker processes: two workers in mesh
+mode, model `big` on one of them, model `small` on both. On the shared worker, a `big` request
+that fails shadow validation only because `small`'s request is there preempts it (a smaller
+batch, with room to meet its SLO elsewhere): the `big` request is admitted and `small`'s
+request ends there with a `preempted` event, for the gateway to hand it over (tested in
+tests/unit/gateway/test_mesh_routing.py). With preemption off, the same request is refused
+("busy").
+
+The test stands in for the gateway on NATS (it sends generate RPCs to chosen instances and reads
+their token streams) so that it picks the SLOs that make exactly the third case of Fig. 6 (the
+node's decode iteration against the TPOT SLO) fail with `small` there and pass without it, from
+the profiles the workers stored in the registry.
+"""
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from libs.bus.broker import RemoteError, call, make_broker, start_broker
+from libs.checkpoint import convert_checkpoint, create_demo_checkpoint
+from libs.cluster.launcher import ClusterSpec, free_port, start_cluster, stop_processes
+from libs.planning.mesh import MARGIN
+from libs.planning.mesh_profiles import profile_from_message
+from libs.protocol import messages as m
+from libs.protocol import subjects
+from conftest import fresh_database, wait_for
+from services.cli.app import deploy_model
+
+pytestmark = pytest.mark.slow
+
+GATEWAY_ID = "test-preemption"
+PROMPT = [1, 17, 200, 45, 9, 33, 71, 5]
+LONG = 400  # tokens: every request still runs when the last one arrives
+LOOSE = dict(ttft_slo_s=60.0, tpot_slo_s=10.0)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("preemption-models")
+    out = {}
+    # `small` (its batch is) is the larger checkpoint: its decode iteration stands out of the
+    # profiles' noise, so a TPOT SLO between the two cases exists.
+    for name, preset, seed in (("big", "tiny", 0), ("small", "small", 1)):
+        hf = create_demo_checkpoint(root / name / "hf", preset=preset, arch="llama", seed=seed)
+        convert_checkpoint(hf, root / name / "blocks", 2)
+        out[name] = root / name / "blocks"
+    return out
+
+
+def _admitted(worker, model: str) -> float:
+    text = httpx.get(worker.health_url.replace("/health", "/metrics"), timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("layercast_worker_mesh_admissions_total{") and f'model="{model}"' in line
+               and 'verdict="admitted"' in line)
+
+
+class StandInGateway:
+    """Sends generate RPCs to instances and keeps every token event it is sent, per request."""
+
+    def __init__(self, nats_url: str):
+        self.broker = make_broker(nats_url)
+        self.events: dict[str, list[m.TokenEvent]] = {}
+
+        @self.broker.subscriber(subjects.tokens_wildcard(GATEWAY_ID))
+        async def tokens(ev: m.TokenEvent) -> None:
+            self.events.setdefault(ev.request_id, []).append(ev)
+
+    async def generate(self, inst: m.InstanceInfo, request_id: str, max_tokens: int, **slos) -> None:
+        req = m.GenerateRequest(request_id=request_id, instance_id=inst.instance_id, model=inst.model,
+                                prompt_ids=PROMPT, sampling=m.SamplingSpec(max_tokens=max_tokens, temperature=0),
+                                reply_subject=subjects.tokens(GATEWAY_ID, request_id), **slos)
+        await call(self.broker, subjects.worker_generate(inst.entry_worker), req, m.GenerateAccepted, timeout=10)
+
+    async def tokens(self, request_id: str, n: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while sum(e.token_id is not None for e in self.events.get(request_id, [])) < n:
+            assert time.monotonic() < deadline, f"{request_id}: fewer than {n} tokens"
+            await asyncio.sleep(0.01)
+
+    async def cancel(self, inst: m.InstanceInfo, request_id: str) -> None:
+        await self.broker.publish(m.CancelRequest(request_id=request_id, instance_id=inst.instance_id)
+                                  .model_dump(mode="json"), subjects.worker_cancel(inst.entry_worker))
+
+
+async def _scenario(state, nats_url: str) -> dict:
+    gw = StandInGateway(nats_url)
+    await start_broker(gw.broker)
+    try:
+        view = await call(gw.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0), m.ClusterView)
+        ready = [i for i in view.instances if i.state == m.InstanceState.ready]
+        [big] = [i for i in ready if i.model == "big"]
+        [small] = [i for i in ready if i.model == "small" and i.entry_worker == big.entry_worker]
+        worker = next(p for p in state.processes if p.name == big.entry_worker)
+        # The shared worker validates both models (it has their profiles), and knows `small` is
+        # served elsewhere too (its view refreshes every 2 s).
+        for k in range(200):
+            if all(_admitted(worker, x.model) > 0 for x in (big, small)):
+                break
+            for x in (big, small):
+                await gw.generate(x, f"probe-{x.model}-{k}", 1, **LOOSE)
+            await asyncio.sleep(0.25)
+        assert all(_admitted(worker, x.model) > 0 for x in (big, small)), "no validated admission on the shared worker"
+        await asyncio.sleep(4.0)
+
+        profiles = {}
+        for name in ("big", "small"):
+            stored = await call(gw.broker, subjects.REGISTRY_PROFILE_GET, m.ProfileRef(model=name, device="cpu"),
+                                m.ModelProfile)
+            profiles[name] = profile_from_message(stored)
+        lengths = [len(PROMPT) + g for g in (1, 8, 16, 32, 64)]  # the requests' lengths when the last one comes
+        big3 = [profiles["big"].decode_time(3, n) for n in lengths]
+        small1 = [profiles["small"].decode_time(1, n) for n in lengths]
+        # A TPOT SLO that big's batch of three meets alone but not beside small's request.
+        low, high = (1 + MARGIN) * max(big3), (1 + MARGIN) * (min(big3) + min(small1))
+        assert low < high, f"no TPOT SLO separates the cases: {low:.5f} s >= {high:.5f} s ({big3}, {small1})"
+        tpot = (low + high) / 2
+
+        await gw.generate(small, "small-1", LONG, **LOOSE)
+        await gw.generate(big, "big-1", LONG, **LOOSE)
+        await gw.generate(big, "big-2", LONG, **LOOSE)
+        for rid in ("small-1", "big-1", "big-2"):
+            await gw.tokens(rid, 2)  # decoding: the node's decode iteration holds all three
+        try:
+            await gw.generate(big, "big-3", LONG, ttft_slo_s=60.0, tpot_slo_s=tpot)
+            outcome = "admitted"
+        except RemoteError as e:
+            outcome = e.code
+        if outcome == "admitted":
+            await gw.tokens("big-3", 1)
+        await asyncio.sleep(0.5)
+        small_events = list(gw.events.get("small-1", []))
+        for inst, rid in ((small, "small-1"), (big, "big-1"), (big, "big-2"), (big, "big-3")):
+            await gw.cancel(inst, rid)
+        return {"outcome": outcome, "small": small_events, "tpot": tpot}
+    finally:
+        await gw.broker.stop()
+
+
+@pytest.mark.parametrize("preemption", [True, False], ids=["preemption", "no-preemption"])
+def test_a_larger_instance_preempts_a_smaller_neighbour_that_can_go_on_elsewhere(
+        preemption, tmp_path_factory, postgres_server_url, nats_url, checkpoints):
+    with fresh_database(postgres_server_url) as db:
+        state = start_cluster(ClusterSpec(
+            state_dir=tmp_path_factory.mktemp("preemption-cluster"), port=free_port(), database_url=db, workers=2,
+            nats_url=nats_url, namespace=subjects.PREFIX, heartbeat_ttl_s=3.0,
+            extra_env={"LAYERCAST_SHARING": "mesh", "LAYERCAST_PROFILE_MAX_LEN": "64",
+                       "LAYERCAST_PREEMPTION": "1" if preemption else "0"}))
+        try:
+            deploy_model(state, "big", checkpoints["big"], min_instances=1, max_instances=1, keep_alive_s=600)
+            deploy_model(state, "small", checkpoints["small"], min_instances=2, max_instances=2, keep_alive_s=600)
+            client = openai.OpenAI(base_url=state.gateway_url + "/v1", api_key=state.api_key, timeout=60)
+            for name in ("big", "small"):
+                wait_for(lambda: client.completions.create(model=name, prompt=[1, 2, 3], max_tokens=1), 120,
+                         f"{name} to serve")
+            wait_for(lambda: sum(i["state"] == "ready" for i in httpx.get(
+                f"{state.gateway_url}/admin/v1/models/small", timeout=10,
+                headers={"Authorization": f"Bearer {state.admin_key}"}).json()["instances"]) == 2, 120,
+                "two instances of small")
+            got = asyncio.run(_scenario(state, nats_url))
+        finally:
+            stop_processes(state.processes)
+    small = got["small"]
+    if preemption:
+        assert got["outcome"] == "admitted", got
+        [moved] = [e for e in small if e.error is not None]
+        assert moved.preempted and moved.finished and "preempted" in moved.error
+        assert moved.index == sum(e.token_id is not None for e in small)  # every token it had sent, then moved
+    else:
+        assert got["outcome"] == "busy", got
+        assert all(e.error is None for e in small)
