@@ -288,10 +288,10 @@ def mesh_cluster(sharing: str, models: dict[str, Path], cfg: MeshBenchConfig, st
         spec = ClusterSpec(state_dir=state_dir, port=free_port(), api_key=API_KEY, admin_key=ADMIN_KEY,
                            workers=cfg.workers, namespace=namespace, heartbeat_ttl_s=15.0,
                            torch_threads=cfg.torch_threads, extra_env=env)
+        caps = WorkerCaps(cpu_quota or None, int(cfg.memory_gb * (1 << 30)) or None)
+        stack.callback(caps.close)  # registered first, so it runs last: once the processes are stopped
         state = start_cluster(spec, timeout_s=120.0)
         stack.callback(stop_processes, state.processes)
-        caps = WorkerCaps(cpu_quota or None, int(cfg.memory_gb * (1 << 30)) or None)
-        stack.callback(caps.close)  # after the processes are stopped (callbacks run last-in first-out)
         for p in state.processes:
             if p.name.startswith("worker"):
                 caps.apply(p.name, p.pid)
