@@ -496,3 +496,88 @@ def scale(
     from rich.console import Console
 
     Console().print_json(json.dumps(result))
+
+
+@bench_app.command("mesh")
+def mesh(
+    models: str = typer.Option("4", "--models", help="K models (several demo checkpoints, seeds 0..K-1, tiny and "
+                                                     "small alternating); a comma-separated list runs each K."),
+    workers: int = typer.Option(2, "--workers", min=1, help="Worker processes (CPU quota and memory cap each)."),
+    trials: int = typer.Option(1, "--trials", min=1, help="Trials per setting; the median trial is reported."),
+    duration_s: float = typer.Option(30.0, "--duration-s", min=1.0, help="The trace is compressed to this."),
+    rps: float = typer.Option(2.0, "--rps", min=0.01, help="Mean request rate of the replay (seeded thinning)."),
+    trace: str = typer.Option("code", "--trace", help="code | conv (the Azure LLM traces 2023) or a CSV path."),
+    seed: int = typer.Option(0, "--seed", help="Thinning, Zipf mapping and prompt seed (same for both settings)."),
+    zipf_s: float = typer.Option(1.0, "--zipf-s", min=0.0, help="Zipf exponent of the model popularity."),
+    max_prompt_tokens: int = typer.Option(128, "--max-prompt-tokens", min=1),
+    max_output_tokens: int = typer.Option(16, "--max-output-tokens", min=2),
+    ttft_slo_s: float = typer.Option(None, "--ttft-slo-s", help="Per deployment (default: max(2, L/512) s)."),
+    tpot_slo_s: float = typer.Option(0.25, "--tpot-slo-s", help="Per deployment (the paper's 0.25 s)."),
+    keep_alive_s: float = typer.Option(10.0, "--keep-alive-s", min=0),
+    cpu_quota: float = typer.Option(None, "--cpu-quota", min=0,
+                                    help="CPUs per worker (cgroup v1 quota where permitted; default cpus / "
+                                         "workers; 0: none)."),
+    memory_gb: float = typer.Option(2.0, "--memory-gb", min=0,
+                                    help="Per worker: cgroup memory cap where permitted, and the in-process "
+                                         "engine/host capacities."),
+    kv_cache_gb: float = typer.Option(0.25, "--kv-cache-gb", min=0.001, help="KV cache per instance."),
+    request_timeout_s: float = typer.Option(60.0, "--request-timeout-s", min=1.0),
+    settings: str = typer.Option("exclusive,mesh", "--settings", help="Sharing settings to run."),
+    plot: Path = typer.Option(None, "--plot", help="Write a PNG: SLO attainment against K (needs matplotlib)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    state_dir: Path = typer.Option(Path(".layercast"), "--state-dir"),
+) -> None:
+    """K models on W workers, sharing=exclusive against sharing=mesh (LLM-Mesh) on the same multi-model
+    workload: the Azure LLM trace time-compressed to --duration-s, its requests mapped onto the K models by a
+    seeded Zipf draw (no public multi-model LLM trace exists; LLM-Mesh maps models onto Azure Functions
+    invocations). Reports SLO-compliant requests, TTFT/TPOT p50/p99, models served, instance-seconds,
+    preemptions, KV resizes, reservation waits, OOMs and lost requests per setting. Progress goes to stderr."""
+    from benchmarks.bench_mesh import MeshBenchConfig, plot_attainment, run_mesh_benchmark
+    from libs.cluster.launcher import ClusterError
+
+    ks = _int_list(models)
+    if not ks or min(ks) < 1:
+        raise typer.BadParameter("--models needs K >= 1")
+    setting_list = tuple(s.strip() for s in settings.split(",") if s.strip())
+    runs = []
+    try:
+        for k in ks:
+            cfg = MeshBenchConfig(models=k, workers=workers, trials=trials, duration_s=duration_s, trace=trace,
+                                  target_rps=rps, seed=seed, zipf_s=zipf_s, max_prompt_tokens=max_prompt_tokens,
+                                  max_output_tokens=max_output_tokens, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s,
+                                  keep_alive_s=keep_alive_s, cpu_quota=cpu_quota, memory_gb=memory_gb,
+                                  kv_cache_gb=kv_cache_gb, request_timeout_s=request_timeout_s,
+                                  settings=setting_list)
+            runs.append(run_mesh_benchmark(cfg, state_dir))
+    except (ValueError, FileNotFoundError) as e:
+        raise typer.BadParameter(str(e)) from None
+    except (ClusterError, RuntimeError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    result = runs[0] if len(runs) == 1 else {"runs": runs}
+    if plot is not None:
+        try:
+            plot_attainment(plot, runs, f"SLO attainment, {workers} workers, {duration_s:g} s at {rps:g} req/s")
+            result["plot"] = str(plot)
+        except ImportError:
+            typer.echo("matplotlib is not installed: no plot", err=True)
+    if json_out:
+        typer.echo(json.dumps(result))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    for run in runs:
+        table = Table(title=f"K={run['models']} models on {run['workers']} workers, "
+                            f"{run['workload']['requests']} requests, median of {run['median_of']}; "
+                            f"mesh/exclusive SLO-compliant: {run['ratio']}")
+        for col in ("sharing", "SLO ok", "TTFT p50/p99 s", "TPOT p50/p99 s", "models", "instance-s", "lost",
+                    "OOMs"):
+            table.add_column(col, justify="right")
+        for r in run["results"]:
+            table.add_row(r["sharing"], f"{r['slo_compliant_requests']}/{r['requests']}",
+                          f"{r['ttft_p50']}/{r['ttft_p99']}", f"{r['tpot_p50']}/{r['tpot_p99']}",
+                          str(r["models_served"]), f"{r['instance_seconds']:.1f}", str(r["lost"]), str(r["ooms"]))
+        console.print(table)
+    console.print(f"trace: {runs[0]['attribution']}")
