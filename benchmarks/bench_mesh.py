@@ -65,7 +65,15 @@ from benchmarks.bench_trace import (
 from benchmarks.harness import ADMIN_KEY, API_KEY, EventRecorder, namespaced, service_env
 from benchmarks.mesh_workload import MeshRequest, MeshWorkloadSpec, load_workload
 from benchmarks.trace_replay import instance_seconds, percentiles
-from libs.cluster.launcher import ClusterError, ClusterSpec, ClusterState, free_port, start_cluster, stop_processes
+from libs.cluster.launcher import (
+    ClusterError,
+    ClusterSpec,
+    ClusterState,
+    free_port,
+    process_alive,
+    start_cluster,
+    stop_processes,
+)
 from libs.planning.mesh import DEFAULT_TPOT_SLO_S, default_ttft_slo
 from libs.protocol import subjects
 
@@ -236,7 +244,8 @@ class MeshCluster:
         return [p for p in self.state.processes if p.name.startswith("worker")]
 
 
-def _profile_stored(nats_url: str, namespace: str, model: str) -> bool:
+def profile_stored(nats_url: str, namespace: str, model: str) -> bool:
+    """Whether the registry has `model`'s CPU profile (a mesh worker measured it)."""
     from libs.bus.broker import RemoteError, call, make_broker, start_broker
     from libs.protocol import messages as m
 
@@ -308,7 +317,7 @@ def mesh_cluster(sharing: str, models: dict[str, Path], cfg: MeshBenchConfig, st
             _wait(lambda: ready(name), 240, f"an instance of {name} ({sharing})")
         if sharing == "mesh":  # measured on the engine thread at first load: not during the replay
             for name in models:
-                _wait(lambda: _profile_stored(state.nats_url, namespace, name), 240, f"the profile of {name}")
+                _wait(lambda: profile_stored(state.nats_url, namespace, name), 240, f"the profile of {name}")
         log(f"{sharing}: {len(models)} models ready on {cfg.workers} workers; caps {caps.applied or caps.unavailable}")
         yield MeshCluster(sharing, state, recorder, caps, models)
 
@@ -344,14 +353,17 @@ def complies(o: Outcome, ttft_slo_s: float | None, tpot_slo_s: float) -> bool:
     return o.ttft_s <= ttft_slo and (o.tbt_s is None or o.tbt_s <= tpot_slo_s)
 
 
+def _metrics_text(url: str) -> str:
+    try:
+        return httpx.get(url, timeout=10).text
+    except httpx.HTTPError:
+        return ""
+
+
 def scrape(url: str) -> dict[str, float]:
     """Prometheus text: metric name (labels dropped) -> the sum over its series."""
     out: dict[str, float] = {}
-    try:
-        text = httpx.get(url, timeout=10).text
-    except httpx.HTTPError:
-        return out
-    for line in text.splitlines():
+    for line in _metrics_text(url).splitlines():
         if not line or line.startswith("#"):
             continue
         head, _, value = line.rpartition(" ")
@@ -365,29 +377,12 @@ def scrape(url: str) -> dict[str, float]:
 
 def _labelled(url: str, metric: str, label: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    try:
-        text = httpx.get(url, timeout=10).text
-    except httpx.HTTPError:
-        return out
-    for line in text.splitlines():
+    for line in _metrics_text(url).splitlines():
         if line.startswith(metric + "{"):
             m = re.search(rf'{label}="([^"]*)"', line)
             if m:
                 out[m.group(1)] = out.get(m.group(1), 0.0) + float(line.rpartition(" ")[2])
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def summarize(cluster: MeshCluster, wall0: float, requests: Sequence[MeshRequest], outcomes: Sequence[Outcome],
@@ -423,7 +418,7 @@ def summarize(cluster: MeshCluster, wall0: float, requests: Sequence[MeshRequest
                 oom_logs += len(OOM_LOG.findall(f.read().decode(errors="replace")))
         except OSError:
             pass
-    dead = [p.name for p in workers if not _alive(p.pid)]
+    dead = [p.name for p in workers if not process_alive(p.pid)]
     if oom_kills is None:
         unavailable["ooms_cgroup"] = "no memory cgroup here: OOMs counted from worker logs only"
     return {

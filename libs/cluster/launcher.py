@@ -146,7 +146,8 @@ class ClusterSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie child does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -264,7 +265,7 @@ def wait_healthy(state: ClusterState, timeout_s: float) -> None:
     pending = list(state.processes)
     while pending:
         for p in list(pending):
-            if not _alive(p.pid):
+            if not process_alive(p.pid):
                 raise ClusterError(f"{p.name} exited during start-up; last log lines:\n{_tail(p.log)}")
             if healthy(p.health_url):
                 pending.remove(p)
@@ -279,17 +280,17 @@ def stop_processes(procs: list[ProcessInfo], timeout_s: float = 15.0) -> None:
     order = [p for p in procs if p.name != "nats"] + [p for p in procs if p.name == "nats"]
     for group in (order[:-1], order[-1:]) if order and order[-1].name == "nats" else (order,):
         for p in group:
-            if _alive(p.pid):
+            if process_alive(p.pid):
                 try:
                     os.kill(p.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + timeout_s
-        while any(_alive(p.pid) for p in group) and time.monotonic() < deadline:
+        while any(process_alive(p.pid) for p in group) and time.monotonic() < deadline:
             _reap()
             time.sleep(0.05)
         for p in group:
-            if _alive(p.pid):
+            if process_alive(p.pid):
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
@@ -318,6 +319,6 @@ def cluster_status(state_dir: Path) -> dict:
         "gateway_url": state.gateway_url,
         "nats_url": state.nats_url,
         "database_url": state.database_url,
-        "processes": [{"name": p.name, "pid": p.pid, "alive": _alive(p.pid),
-                       "healthy": _alive(p.pid) and healthy(p.health_url), "log": p.log} for p in state.processes],
+        "processes": [{"name": p.name, "pid": p.pid, "alive": process_alive(p.pid),
+                       "healthy": process_alive(p.pid) and healthy(p.health_url), "log": p.log} for p in state.processes],
     }

@@ -9,7 +9,6 @@ an unvalidated burst makes it late, while validation admits bursty requests only
 steady model's headroom allows.
 """
 
-import asyncio
 import concurrent.futures
 import time
 from contextlib import contextmanager
@@ -20,13 +19,12 @@ import openai
 import pytest
 import torch
 
-from libs.bus.broker import RemoteError, call, make_broker, start_broker
 from libs.checkpoint import CheckpointIndex, convert_checkpoint, create_demo_checkpoint, load_block
 from libs.cluster.launcher import ClusterSpec, free_port, start_cluster, stop_processes
 from libs.engine import Engine
 from libs.engine.profiling import measure_profile
-from libs.protocol import messages as m
 from libs.protocol import subjects
+from benchmarks.bench_mesh import profile_stored
 from conftest import fresh_database, wait_for
 from services.cli.app import deploy_model
 
@@ -92,21 +90,6 @@ def slos(bursty_step) -> dict[str, tuple[float, float]]:
     return {"steady": (bursty_step / 2, bursty_step / 16), "bursty": (bursty_step / 2, 2 * bursty_step)}
 
 
-def _profile_stored(nats_url: str, model: str) -> bool:
-    async def get() -> bool:
-        broker = make_broker(nats_url)
-        await start_broker(broker)
-        try:
-            await call(broker, subjects.REGISTRY_PROFILE_GET, m.ProfileRef(model=model, device="cpu"),
-                       m.ModelProfile, timeout=2.0)
-            return True
-        except (TimeoutError, RemoteError):
-            return False
-        finally:
-            await broker.stop()
-    return asyncio.run(get())
-
-
 def _refreshes(state, model: str) -> float:
     [worker] = [p for p in state.processes if p.name.startswith("worker")]
     text = httpx.get(worker.health_url.replace("/health", "/metrics"), timeout=10).text
@@ -134,7 +117,7 @@ def mesh_cluster(tmp_path_factory, postgres_server_url, nats_url, checkpoints, s
             for name in checkpoints:  # both served, both profiled by the worker (the registry has them)
                 wait_for(lambda: client.completions.create(model=name, prompt=[1, 2, 3], max_tokens=1), 120,
                          f"{name} to serve")
-                wait_for(lambda: _profile_stored(nats_url, name), 120, f"the profile of {name}")
+                wait_for(lambda: profile_stored(nats_url, subjects.PREFIX, name), 120, f"the profile of {name}")
             yield state, client
         finally:
             stop_processes(state.processes)
