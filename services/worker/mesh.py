@@ -136,7 +136,7 @@ class MeshNode:
         if ceiling < 1:
             raise ValueError(f"a KV budget of {c.kv_cache_bytes} bytes cannot hold one request of "
                              f"{c.max_seq_len} tokens ({slot_bytes} bytes)")
-        sizing = KvSizing(ceiling, slot_bytes, min(max(c.kv_min_slots, 1), ceiling), index.total_nbytes())
+        sizing = KvSizing(ceiling, slot_bytes, min(max(c.kv_min_slots, 1), ceiling), index.total_nbytes)
         await self.memory.change(f"{instance_id}:weights", sizing.weights_bytes)
         try:
             await self.memory.change(f"{instance_id}:kv", sizing.kv_bytes)
@@ -159,15 +159,17 @@ class MeshNode:
     def _kv_lock(self, instance_id: str) -> asyncio.Lock:
         return self._kv_locks.setdefault(instance_id, asyncio.Lock())
 
-    def _rows(self, instance_id: str) -> int:
-        """The sequences (choices) this worker's requests run on the instance: the KV slots they need."""
-        return sum(len(r.next_index) for r in self.worker.requests.values() if r.instance_id == instance_id)
+    def _rows(self, instance_id: str, submitted_only: bool = False) -> int:
+        """The sequences (choices) this worker's requests run on the instance: the KV slots they
+        need (`submitted_only`: those the engine may hold KV of, so a resize copies them)."""
+        return sum(len(r.next_index) for r in self.worker.requests.values()
+                   if r.instance_id == instance_id and (r.submitted or not submitted_only))
 
     def _kv_target(self, inst: Instance) -> int | None:
         c = self.worker.config
         return kv_fit(inst.engine.kv_slots, self._rows(inst.info.instance_id), slot_bytes=inst.kv_slot_bytes,
                       watermark=c.kv_watermark, min_slots=c.kv_min_slots, max_slots=inst.kv_ceiling,
-                      available=self.memory.available)
+                      available=self.memory.available, copies=self._rows(inst.info.instance_id, True) > 0)
 
     async def fit_kv(self, inst: Instance) -> bool:
         """Admission's last step, with the request registered: grow the instance's KV to hold
@@ -194,8 +196,16 @@ class MeshNode:
                 return False
             return True
 
+    async def request_ended(self, instance_id: str) -> None:
+        """A request ended on the instance: its KV may shrink (lazily, by the watermark), and so
+        may the others' (a shrink refused earlier for want of room for its copy may fit now)."""
+        await self.shrink_kv(instance_id)
+        for other in list(self.worker.instances):
+            if other != instance_id:
+                await self.shrink_kv(other)
+
     async def shrink_kv(self, instance_id: str) -> None:
-        """A request ended on the instance: shrink its KV if the watermark says so (lazily)."""
+        """Shrink the instance's KV if the watermark says so."""
         inst = self.worker.instances.get(instance_id)
         if inst is None or inst.engine is None:
             return
@@ -215,19 +225,26 @@ class MeshNode:
     async def _resize(self, inst: Instance, slots: int) -> None:
         engine, iid = inst.engine, inst.info.instance_id
         old = engine.kv_slots
+        # With KV to keep the cache copies it into the new pool, holding both; an empty cache
+        # drops its pool first (SlotKVCache.resize).
+        copies = self._rows(iid, submitted_only=True) > 0
 
-        def resize() -> tuple[int, int]:
-            before = _kv_nbytes(engine)
+        def resize() -> int:
+            """The bytes of the old pool held beside the new one (0: dropped first)."""
+            before, live = _kv_nbytes(engine), engine.max_batch_size - engine.free_slots
             engine.resize_kv(slots)
-            return before, _kv_nbytes(engine)
+            return before if live else 0
 
-        before, after = await self.memory.change(
+        both = await self.memory.change(
             f"{iid}:kv", slots * inst.kv_slot_bytes, lambda: self.worker.runtime.call(resize),
-            during=(old + slots) * inst.kv_slot_bytes)
+            during=(old + slots) * inst.kv_slot_bytes if copies else None)
         KV_RESIZES.labels(inst.info.model, "up" if slots > old else "down").inc()
         KV_SLOTS.labels(iid).set(slots)
         self._kv_slots_seen.add(iid)
-        self.observe_held(during=before)  # both pools were held at once
+        if both and not copies:
+            log.error("the KV cache of %s held live slots the worker did not know of: its resize was "
+                      "charged without its copy", iid)
+        self.observe_held(during=both)  # the old pool, where it was held beside the new one
         log.debug("KV cache of %s: %d -> %d slots", iid, old, slots)
 
     def observe_held(self, during: int = 0) -> int:

@@ -186,6 +186,7 @@ class _Request:
     streamed: bool = False  # a token went out (its hop is in the trace)
     sent: int = 0
     admitted: Admitted | None = None  # sharing=mesh: its SLO clock, for shadow validation
+    submitted: bool = False  # handed to the engine (sharing=mesh: its KV may be there, a resize copies it)
 
 
 class WorkerService(Service):
@@ -442,7 +443,7 @@ class WorkerService(Service):
                 req.span.end()
                 del self.requests[request_id]
                 if self.mesh is not None:
-                    self.spawn(self.mesh.shrink_kv(instance_id))  # lazily, by the watermark
+                    self.spawn(self.mesh.request_ended(instance_id))  # KV shrinks lazily, by the watermark
 
     def _require_checkpoint(self, path: str) -> None:
         if not os.path.isdir(path):
@@ -576,6 +577,7 @@ class WorkerService(Service):
                 span.end()
                 raise DomainError(f"{wid} has no memory for the KV of another request on {req.instance_id} now",
                                   code="busy")
+            registered.submitted = True
             self.runtime.submit(req.instance_id, req.request_id, req.prompt_ids, params, req.generated_ids,
                                 req.choices or None,
                                 None if admitted is None else (admitted.start, admitted.slo.ttft_s, admitted.slo.tpot_s))
@@ -607,5 +609,5 @@ class WorkerService(Service):
                 req.span.set_attribute("layercast.cancelled", True)
                 req.span.end()
                 if self.mesh is not None:
-                    self.spawn(self.mesh.shrink_kv(req.instance_id))
+                    self.spawn(self.mesh.request_ended(req.instance_id))
 
