@@ -2,7 +2,7 @@
 
 from .grammar import Constraint, grammar_tokenizer
 from .engine import AdmissionError, Engine, StepShape, TokenOutput, budgeted_stage, checkpoint_eos_ids, local_stages
-from .model import SUPPORTED_MODEL_TYPES, LayerRange, hf_config, warm_up
+from .model import SUPPORTED_MODEL_TYPES, LayerRange, hf_config, kv_slot_bytes_of, warm_up
 from .sampling import SamplingParams, apply_penalties, make_generator, sample_token, token_logprobs
 from .stages import LocalStage, RemoteStage, StageServer
 
@@ -23,6 +23,7 @@ __all__ = [
     "StepShape",
     "TokenOutput",
     "hf_config",
+    "kv_slot_bytes_of",
     "make_generator",
     "sample_token",
     "apply_penalties",

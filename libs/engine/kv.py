@@ -68,14 +68,24 @@ class SlotKVCache:
         """A new pool of `slots` slots holding every live slot's KV (elastic KV, LLM-Mesh §6.2):
         live slots are renumbered 0..k-1 in order; returns old slot id -> new. Refuses (ValueError)
         to go below the slots in use. Only the tokens held are copied: on the CPU the new pool's
-        untouched pages cost no memory."""
+        untouched pages cost no memory. With no slot in use the old pool is dropped first, so the
+        two are never held at once."""
         free = set(self._free)
         live = [s for s in range(self.slots) if s not in free]
         if slots < max(len(live), 1):
             raise ValueError(f"cannot resize a KV cache to {slots} slots: {len(live)} in use")
         moved = {old: new for new, old in enumerate(live)}
         old_pools = (*self.keys, *self.values)
-        new_pools = [_zeros((slots, *self._head_shape), self._dtype, self.device) for _ in old_pools]
+        count = len(old_pools)
+        if not live:  # nothing to keep: the old pool goes before the new one comes (never both held)
+            self.keys, self.values, old_pools = [], [], ()
+        try:
+            new_pools = [_zeros((slots, *self._head_shape), self._dtype, self.device) for _ in range(count)]
+        except BaseException:
+            if not live:  # an empty pool of the old size again (nothing was in it)
+                pools = [_zeros((self.slots, *self._head_shape), self._dtype, self.device) for _ in range(count)]
+                self.keys, self.values = pools[: count // 2], pools[count // 2:]
+            raise
         for old_t, new_t in zip(old_pools, new_pools):
             for old, new in moved.items():
                 if n := self.lengths[old]:

@@ -22,7 +22,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from libs.checkpoint import CheckpointIndex, block_tensors
 from libs.checkpoint.format import torch_dtype
 
-from .kv import BatchView, SlotKVCache
+from .kv import BatchView, SlotKVCache, kv_bytes_per_slot
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -40,6 +40,18 @@ def hf_config(index: CheckpointIndex, attn_implementation: str = "sdpa"):
     config = CONFIG_MAPPING[model_type].from_dict(dict(index.config))
     config._attn_implementation = attn_implementation
     return config
+
+
+def kv_slot_bytes_of(index: CheckpointIndex, max_seq_len: int, block_start: int = 0,
+                     block_end: int | None = None) -> int:
+    """What one KV slot of `max_seq_len` tokens costs over blocks [block_start, block_end) of a
+    checkpoint, known before any block is loaded (Engine.kv_slot_bytes once built): what a
+    worker charges its memory budget before it builds an engine."""
+    block_end = index.n_blocks if block_end is None else block_end
+    layers = index.blocks[block_end - 1].layer_end - index.blocks[block_start].layer_start
+    in_range = [t for b in range(block_start, block_end) for t in index.tensors_in_block(b)]
+    dtype = torch_dtype(next((t.dtype for t in in_range if ".layers." in t.name), in_range[0].dtype))
+    return kv_bytes_per_slot(hf_config(index), layers, max_seq_len, dtype)
 
 
 def warm_up(model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES, attn_implementation: str = "sdpa") -> None:

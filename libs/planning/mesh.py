@@ -16,7 +16,9 @@
 - §6.3 hazard-aware orchestration of memory operations: an optimistic budget decides whether
   an operation may be issued, a pessimistic tracking whether it may start now; a scale-up that
   could overrun memory waits in a reservation station until a scale-down completes
-  (:class:`MemoryState`, :func:`issue`, :func:`complete`).
+  (:class:`MemoryState`, :func:`issue`, :func:`complete`); an operation that failed is taken
+  back (:func:`abort`), refusing the waiting scale-ups a failed scale-down would have made room for.
+  :func:`kv_fit` is the KV size an instance with slot-granular KV should have (eq. 2, §6.2, §6.4).
 - §7 defragmentation: the neighbours an instance preempts when a request fails validation
   (smaller batches, smallest first, only those whose requests can still meet their SLOs
   elsewhere: :func:`plan_preemption`) and bin-packing order (largest batch first), CPU workers
@@ -38,6 +40,7 @@ __all__ = [
     "MARGIN",
     "MemOp",
     "MemoryState",
+    "abort",
     "MeshInstance",
     "Profile",
     "RunningRequest",
@@ -49,6 +52,7 @@ __all__ = [
     "default_ttft_slo",
     "eviction_victim",
     "issue",
+    "kv_fit",
     "kv_grant",
     "kv_require",
     "kv_resize",
@@ -433,6 +437,29 @@ def kv_grant(current: int, require: int, recommend: int, available: int) -> int 
     return None
 
 
+def kv_fit(current: int, rows: int, *, slot_bytes: int, watermark: float, min_slots: int, max_slots: int,
+           available: int, copies: bool = True) -> int | None:
+    """The KV slots an instance should have with `rows` sequences to hold (its running requests'
+    choices), now at `current` slots, with `available` bytes free in the memory budget; None when
+    a needed scale-up cannot be granted (the request cannot join).
+
+    The cache is slot-granular (a slot holds one sequence of up to max_seq_len tokens), so eq. 2
+    is counted in slots: each row's I_r + max(O_r, mean output) fits its one slot, and L_min is
+    `min_slots`. Then the watermark rule (`kv_resize`) and the compromise (`kv_grant`), everything
+    capped at `max_slots` (the engine's ceiling: more rows wait in its queue). `copies`: a resize
+    copies the live KV into a new pool, so old and new are held at once; a growth then needs
+    the whole new size free, not only the difference."""
+    if slot_bytes <= 0 or max_slots < 1:
+        raise ValueError("slot_bytes and max_slots must be positive")
+    require = min(kv_require(slot_bytes, [(1, 0)] * rows, 0, max(min_slots, 1)) // slot_bytes, max_slots)
+    target = min(max_slots, -(-kv_resize(current * slot_bytes, require * slot_bytes, watermark) // slot_bytes))
+    if target <= current:
+        return target  # unchanged, or a lazy scale-down
+    free = available - (current * slot_bytes if copies else 0)
+    granted = kv_grant(current * slot_bytes, require * slot_bytes, target * slot_bytes, free)
+    return None if granted is None else granted // slot_bytes
+
+
 # --- §6.3 hazard-aware orchestration -----------------------------------------------------------------
 
 
@@ -489,4 +516,41 @@ def complete(state: MemoryState, op_id: str) -> tuple[MemoryState, tuple[MemOp, 
         else:
             waiting.append(w)
     return replace(state, tracked=tracked, running=(*running, *started), waiting=tuple(waiting)), tuple(started)
+
+
+def abort(state: MemoryState, op_id: str) -> tuple[MemoryState, tuple[MemOp, ...], tuple[MemOp, ...]]:
+    """`op_id` is taken back (it failed, or its caller gave up): (new state, operations to start
+    now, waiting operations refused). The allocation stays at its old size.
+
+    - waiting: it leaves the reservation station, the budget drops its growth;
+    - a running growth: what it held is given back (budget and tracking), which may start waiting ones;
+    - a running shrink: the memory it was to free stays allocated, so the budget goes back up;
+      the waiting growths admitted on that promise are refused, newest first, until the budget
+      holds again. Without that a growth could wait for memory that never comes.
+
+    The budget never exceeds capacity, and once no shrink runs nothing waits: the budget is the
+    tracking plus what waits (each shrink that still runs counts in the tracking at its old size),
+    so within capacity everything waiting fits."""
+    if (op := next((o for o in state.waiting if o.id == op_id), None)) is not None:
+        waiting = tuple(o for o in state.waiting if o.id != op_id)
+        return replace(state, budget=state.budget - op.delta, waiting=waiting), (), ()
+    op = next((o for o in state.running if o.id == op_id), None)
+    if op is None:
+        raise KeyError(f"no memory operation {op_id!r}")
+    budget = state.budget - op.delta
+    tracked = state.tracked - max(op.delta, 0)
+    running = tuple(o for o in state.running if o.id != op_id)
+    waiting, refused = list(state.waiting), []
+    while budget > state.capacity and waiting:
+        refused.append(waiting.pop())
+        budget -= refused[-1].delta
+    started, still = [], []
+    for w in waiting:
+        if tracked + w.delta <= state.capacity:
+            tracked += w.delta
+            started.append(w)
+        else:
+            still.append(w)
+    return (replace(state, budget=budget, tracked=tracked, running=(*running, *started), waiting=tuple(still)),
+            tuple(started), tuple(refused))
 

@@ -63,6 +63,17 @@ def main() -> None:
     p.add_argument("--profile-refresh-s", type=float, default=float(env("LAYERCAST_PROFILE_REFRESH_S", "0")),
                    help="with --sharing mesh: refresh the profiles from live steps this often (0: never, "
                         "the default)")
+    p.add_argument("--memory-capacity-bytes", type=int,
+                   default=int(env("LAYERCAST_MEMORY_CAPACITY_BYTES", "0")),
+                   help="with --sharing mesh: the bytes this worker's engines may hold (weights and KV "
+                        "caches); model loads and KV growth that would pass it wait or are refused. "
+                        "0: the memory available at start")
+    p.add_argument("--kv-watermark", type=float, default=float(env("LAYERCAST_KV_WATERMARK", "0.2")),
+                   help="with --sharing mesh: a KV cache grows to its need x (1 + w) and shrinks only "
+                        "once that is below its size / (1 + w)")
+    p.add_argument("--kv-min-slots", type=int, default=int(env("LAYERCAST_KV_MIN_SLOTS", "0")),
+                   help="with --sharing mesh: elastic KV, the KV slots an instance keeps however idle (L_min); "
+                        "0: KV fixed at the instance's ceiling")
     p.add_argument("--health-host", default=env("LAYERCAST_HEALTH_HOST", "127.0.0.1"))
     p.add_argument("--health-port", type=int, default=int(env("LAYERCAST_HEALTH_PORT", "0")))
     a = p.parse_args()
@@ -80,7 +91,8 @@ def main() -> None:
         emulated_host_to_device_mbit=a.emulated_host_to_device_mbit, emulated_link_mbit=a.emulated_link_mbit,
         sharing=a.sharing, shadow_validation=a.shadow_validation, preemption=a.preemption,
         profile_max_len=a.profile_max_len,
-        profile_refresh_s=a.profile_refresh_s,
+        profile_refresh_s=a.profile_refresh_s, memory_capacity_bytes=a.memory_capacity_bytes,
+        kv_watermark=a.kv_watermark, kv_min_slots=a.kv_min_slots,
     )
     run(lambda: WorkerService(config), a.health_host, a.health_port)
 

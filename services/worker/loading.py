@@ -29,6 +29,7 @@ from libs.protocol import subjects
 from libs.telemetry import tracer
 
 if TYPE_CHECKING:
+    from services.worker.mesh import KvSizing
     from services.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,12 @@ class Instance:
     path: str
     keys: list[tuple[str, int]]
     draining: bool = False
+    # sharing=mesh (elastic KV): the engine, its KV ceiling (the advertised max_batch) and the
+    # bytes of one KV slot and of its weights, as charged to the worker's memory budget
+    engine: Engine | None = None
+    kv_ceiling: int = 0
+    kv_slot_bytes: int = 0
+    weights_bytes: int = 0
 
 
 class _BlockFutures:
@@ -135,11 +142,15 @@ class InstanceLoading:
             loaded_bytes = 0
             arriving = _BlockFutures(wanted)
             building: asyncio.Future | None = None
+            sizing = None
             try:
                 index = await asyncio.to_thread(CheckpointIndex.load, cmd.path)
                 for b in wanted:
                     index.block(b)
                 full = (cmd.block_start, cmd.block_end) == (0, index.n_blocks)
+                # sharing=mesh: weights and the smallest KV charged to the memory budget first
+                # (refused: the load fails, nothing allocated); the KV grows with its requests.
+                sizing = await w.mesh.charge_load(iid, index) if full and w.mesh is not None else None
                 plan = choose_block_sources(
                     wanted, in_host={b for b in wanted if (cmd.model, b) in w.cache},
                     arriving={b for b in wanted if (cmd.model, b) in w._incoming},
@@ -160,8 +171,11 @@ class InstanceLoading:
                 # cache allocation, model skeleton) overlaps with the blocks' arrival and copies.
                 building = asyncio.ensure_future(asyncio.to_thread(
                     Engine, index, arriving, device=config.device,
-                    max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-                    kv_cache_bytes=config.kv_cache_bytes, tokenizer_dir=cmd.path)) if full else None
+                    max_batch_size=config.max_batch_size if sizing is None else sizing.ceiling,
+                    max_seq_len=config.max_seq_len,
+                    kv_cache_bytes=config.kv_cache_bytes if sizing is None else sizing.kv_bytes,
+                    max_queue=None if sizing is None else 4 * sizing.ceiling,
+                    tokenizer_dir=cmd.path)) if full else None
                 remaining = list(wanted)
                 while remaining:
                     # In the order the blocks land, not block order: a multicast brings each receiver
@@ -212,7 +226,7 @@ class InstanceLoading:
                     await w._block_event(cmd.model, b, m.Tier.host, m.ReplicaState.ready, host_buf.numel())
                     if building is not None and building.done() and not attached and \
                             config.serve_while_loading and cmd.serve_while_loading:
-                        await self._attach(building.result(), info, cmd, pinned, "serving, rest loading")
+                        await self._attach(building.result(), info, cmd, pinned, "serving, rest loading", sizing)
                         attached = True
                 for done in jobs:
                     w._observe_bandwidth("ssd_to_host", done.stats.bytes, done.stats.finished_s or 0.0)
@@ -226,7 +240,7 @@ class InstanceLoading:
                     engine = await building
                     if iid in w._unload_asked:
                         raise _LoadStopped("unloaded by planner while loading")
-                    await self._attach(engine, info, cmd, pinned, "loaded")
+                    await self._attach(engine, info, cmd, pinned, "loaded", sizing)
                 await self._loaded(cmd.instance_id)
             except Exception as e:
                 # An unload cancels the disk reads too: their failure is the stop, not an error.
@@ -248,6 +262,8 @@ class InstanceLoading:
                     await w._block_event(cmd.model, b, m.Tier.gpu, m.ReplicaState.evicted)
                 while pinned:
                     await w._report_evicted(w.cache.unpin(pinned.pop()))
+                if sizing is not None:
+                    await w.mesh.release_load(iid)
                 info = info.model_copy(update={"state": m.InstanceState.stopped if stopped
                                                else m.InstanceState.failed})
                 await publish(w.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=str(e)))
@@ -269,13 +285,21 @@ class InstanceLoading:
             self.worker.mesh.ensure_profile(inst)
 
     async def _attach(self, engine: Engine, info: m.InstanceInfo, cmd: m.LoadModel,
-                      pinned: list[tuple[str, int]], reason: str) -> None:
+                      pinned: list[tuple[str, int]], reason: str, sizing: KvSizing | None = None) -> None:
         w = self.worker
         w.runtime.attach(cmd.instance_id, engine)
+        # Elastic KV (mesh): the engine starts with few slots; it advertises its ceiling.
+        max_batch = engine.max_batch_size if sizing is None else sizing.ceiling
         info = info.model_copy(update={"state": m.InstanceState.ready, "ready_at": time.time(),
-                                       "max_batch": engine.max_batch_size, "device": engine.device.type})
+                                       "max_batch": max_batch, "device": engine.device.type})
         # The instance shares this load's pin list: stopping it releases what has been pinned so far.
-        w.instances[cmd.instance_id] = Instance(info=info, path=cmd.path, keys=pinned)
+        inst = Instance(info=info, path=cmd.path, keys=pinned)
+        if sizing is not None:
+            inst.engine, inst.kv_ceiling = engine, sizing.ceiling
+            inst.kv_slot_bytes, inst.weights_bytes = sizing.slot_bytes, sizing.weights_bytes
+        w.instances[cmd.instance_id] = inst
+        if sizing is not None:
+            w.mesh.observe_held()
         log.info("instance %s of %s ready (%s)", cmd.instance_id, cmd.model, reason)
         await publish(w.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=reason))
 

@@ -14,6 +14,15 @@ validation. The decisions are libs/planning/mesh.py's; this carries them out.
 - Proactive defragmentation (§7.1): before answering "busy", an instance may preempt smaller
   neighbours whose requests can still meet their SLOs elsewhere; those requests end here with
   a `preempted` error event and the gateway hands them over with their tokens so far.
+- Elastic KV and hazard-aware memory (§6): a load charges its weights and the smallest KV cache
+  (`kv_min_slots`) to the worker's memory budget (services/worker/memory.py) before it
+  allocates; the engine starts that small and advertises its ceiling as max_batch. A request,
+  once validated and registered, joins only if its instance's KV fits its rows (`kv_fit`: the
+  watermark's early scale-up, else the compromise to the requirement, against the budget; a
+  resize copies, so it is charged old + new while it runs); else "busy". When a request ends
+  the cache shrinks lazily (the watermark rule). One KV change per instance at a time. No
+  eviction: §6.4's last resort (evict and reschedule the request with the longest headroom)
+  is not done, since a request never joins without its KV.
 """
 
 from __future__ import annotations
@@ -25,11 +34,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from libs.bus.broker import RemoteError, call
 from libs.checkpoint import CheckpointIndex
-from libs.engine import Engine
+from libs.engine import Engine, kv_slot_bytes_of
 from libs.engine.profiling import measure_profile
 from libs.planning.mesh import (
     DEFAULT_TPOT_SLO_S,
@@ -39,6 +48,7 @@ from libs.planning.mesh import (
     Validation,
     default_ttft_slo,
     plan_preemption,
+    kv_fit,
     profile_samples,
     refreshed,
     shadow_validate,
@@ -46,6 +56,7 @@ from libs.planning.mesh import (
 from libs.planning.mesh_profiles import device_kind, profile_from_message, profile_to_message
 from libs.protocol import messages as m
 from libs.protocol import subjects
+from services.worker.memory import REFUSALS, MemoryOrchestrator, OutOfMemory
 
 if TYPE_CHECKING:
     from services.worker.loading import Instance
@@ -60,6 +71,12 @@ REFRESHES = Counter("layercast_worker_mesh_profile_refreshes_total", "Profiles r
                     ["model"])
 PREEMPTIONS = Counter("layercast_worker_mesh_preemptions_total", "Requests moved elsewhere by a preemption "
                       "(§7.1: a larger instance took their instance's share of this worker)", ["model"])
+KV_RESIZES = Counter("layercast_worker_mesh_kv_resizes_total", "KV cache resizes (elastic KV, §6.2)",
+                     ["model", "direction"])
+KV_SLOTS = Gauge("layercast_worker_mesh_kv_slots", "KV slots an instance holds now", ["instance"])
+HELD_PEAK = Gauge("layercast_worker_mesh_memory_held_peak_bytes",
+                  "The most this worker's engines held at once, measured from them: weights and KV "
+                  "pools (a resize's old and new pools together)")
 PROFILE_REPEATS = 3
 ELSEWHERE_REFRESH_S = 2.0  # a preempted request that finds no room there waits at the gateway, not lost
 REFRESH_RATE = 0.05  # each live step moves the profile 5% of the way: noise averages out over ~20 steps
@@ -105,8 +122,27 @@ class Verdict:
         return self.validation.ok or bool(self.preempt)
 
 
+def kv_floor(min_slots: int, ceiling: int) -> int:
+    """L_min in KV slots: `min_slots` up to the ceiling; 0 keeps the KV fixed at the ceiling."""
+    return ceiling if min_slots <= 0 else min(min_slots, ceiling)
+
+
+@dataclass(frozen=True)
+class KvSizing:
+    """A mesh instance's memory, charged before its load allocates."""
+
+    ceiling: int  # KV slots at most (the advertised max_batch)
+    slot_bytes: int
+    slots: int  # KV slots it starts with (kv_min_slots)
+    weights_bytes: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+
 class MeshNode:
-    def __init__(self, worker: WorkerService, validate: bool = True):
+    def __init__(self, worker: WorkerService, validate: bool = True, memory: MemoryOrchestrator | None = None):
         self.worker = worker
         self.validate = validate
         self.kind = device_kind(worker.config.device)
@@ -115,6 +151,143 @@ class MeshNode:
         # ELSEWHERE_REFRESH_S): where a preemption's requests can go on (§7.1).
         self.elsewhere: frozenset[str] = frozenset()
         self._profiling: dict[str, asyncio.Task] = {}
+        self.memory = memory
+        self._kv_locks: dict[str, asyncio.Lock] = {}  # instance -> one KV change at a time
+        self._kv_slots_seen: set[str] = set()  # instances with a KV_SLOTS sample
+        self.held_peak = 0
+
+    # --- memory (§6) ----------------------------------------------------------------------------
+    async def charge_load(self, instance_id: str, index: CheckpointIndex) -> KvSizing:
+        """Charge a full load's weights and smallest KV to the budget before it allocates
+        (OutOfMemory: refused, nothing charged)."""
+        c = self.worker.config
+        slot_bytes = await asyncio.to_thread(kv_slot_bytes_of, index, c.max_seq_len)
+        ceiling = min(c.max_batch_size, c.kv_cache_bytes // slot_bytes)
+        if ceiling < 1:
+            raise ValueError(f"a KV budget of {c.kv_cache_bytes} bytes cannot hold one request of "
+                             f"{c.max_seq_len} tokens ({slot_bytes} bytes)")
+        sizing = KvSizing(ceiling, slot_bytes, kv_floor(c.kv_min_slots, ceiling), index.total_nbytes)
+        await self.memory.change(f"{instance_id}:weights", sizing.weights_bytes)
+        try:
+            await self.memory.change(f"{instance_id}:kv", sizing.kv_bytes)
+        except BaseException:
+            await self.memory.release(f"{instance_id}:weights")
+            raise
+        return sizing
+
+    async def release_load(self, instance_id: str, detach=None) -> None:
+        """The instance's memory goes: its KV by `detach()` (the budget drops as it starts, so
+        a waiting scale-up may be issued against it), then its weights."""
+        async with self._kv_lock(instance_id):
+            await self.memory.release(f"{instance_id}:kv", detach)
+        await self.memory.release(f"{instance_id}:weights")
+        self._kv_locks.pop(instance_id, None)
+        if instance_id in self._kv_slots_seen:
+            self._kv_slots_seen.discard(instance_id)
+            KV_SLOTS.remove(instance_id)
+
+    def _kv_lock(self, instance_id: str) -> asyncio.Lock:
+        return self._kv_locks.setdefault(instance_id, asyncio.Lock())
+
+    def _rows(self, instance_id: str, submitted_only: bool = False) -> int:
+        """The sequences (choices) this worker's requests run on the instance: the KV slots they
+        need (`submitted_only`: those the engine may hold KV of, so a resize copies them)."""
+        return sum(len(r.next_index) for r in self.worker.requests.values()
+                   if r.instance_id == instance_id and (r.submitted or not submitted_only))
+
+    def _kv_target(self, inst: Instance) -> int | None:
+        c = self.worker.config
+        return kv_fit(inst.engine.kv_slots, self._rows(inst.info.instance_id), slot_bytes=inst.kv_slot_bytes,
+                      watermark=c.kv_watermark, min_slots=kv_floor(c.kv_min_slots, inst.kv_ceiling),
+                      max_slots=inst.kv_ceiling,
+                      available=self.memory.available, copies=self._rows(inst.info.instance_id, True) > 0)
+
+    async def fit_kv(self, inst: Instance) -> bool:
+        """Admission's last step, with the request registered: grow the instance's KV to hold
+        its rows (the watermark's recommendation, else the requirement); False when the budget
+        cannot grant it (the request cannot join now)."""
+        if inst.engine is None:  # not an elastic-KV instance (a pipeline)
+            return True
+        async with self._kv_lock(inst.info.instance_id):
+            if inst.draining or self.worker.instances.get(inst.info.instance_id) is not inst:
+                return False
+            current = inst.engine.kv_slots
+            target = self._kv_target(inst)
+            if target is None:
+                REFUSALS.inc()
+                return False
+            if target <= current:
+                return True  # shrinks are lazy: only when a request ends
+            try:
+                await self._resize(inst, target)
+            except OutOfMemory:
+                return False
+            except Exception:  # noqa: BLE001 - taken back; the request is refused, the instance serves on
+                log.exception("growing the KV cache of %s failed", inst.info.instance_id)
+                return False
+            return True
+
+    async def request_ended(self, instance_id: str) -> None:
+        """A request ended on the instance: its KV may shrink (lazily, by the watermark), and so
+        may the others' (a shrink refused earlier for want of room for its copy may fit now)."""
+        await self.shrink_kv(instance_id)
+        for other in list(self.worker.instances):
+            if other != instance_id:
+                await self.shrink_kv(other)
+
+    async def shrink_kv(self, instance_id: str) -> None:
+        """Shrink the instance's KV if the watermark says so."""
+        inst = self.worker.instances.get(instance_id)
+        if inst is None or inst.engine is None:
+            return
+        async with self._kv_lock(instance_id):
+            if inst.draining or self.worker.instances.get(instance_id) is not inst:
+                return
+            target = self._kv_target(inst)
+            if target is None or target >= inst.engine.kv_slots:
+                return
+            try:
+                await self._resize(inst, target)
+            except OutOfMemory:
+                log.info("shrinking the KV cache of %s waits: no room for its copy now", instance_id)
+            except Exception:  # noqa: BLE001 - taken back: the cache keeps its size
+                log.warning("shrinking the KV cache of %s failed", instance_id, exc_info=True)
+
+    async def _resize(self, inst: Instance, slots: int) -> None:
+        engine, iid = inst.engine, inst.info.instance_id
+        old = engine.kv_slots
+        # With KV to keep the cache copies it into the new pool, holding both; an empty cache
+        # drops its pool first (SlotKVCache.resize).
+        copies = self._rows(iid, submitted_only=True) > 0
+
+        def resize() -> int:
+            """The bytes of the old pool held beside the new one (0: dropped first)."""
+            before, live = _kv_nbytes(engine), engine.max_batch_size - engine.free_slots
+            engine.resize_kv(slots)
+            return before if live else 0
+
+        both = await self.memory.change(
+            f"{iid}:kv", slots * inst.kv_slot_bytes, lambda: self.worker.runtime.call(resize),
+            during=(old + slots) * inst.kv_slot_bytes if copies else None)
+        KV_RESIZES.labels(inst.info.model, "up" if slots > old else "down").inc()
+        KV_SLOTS.labels(iid).set(slots)
+        self._kv_slots_seen.add(iid)
+        if both and not copies:
+            log.error("the KV cache of %s held live slots the worker did not know of: its resize was "
+                      "charged without its copy", iid)
+        self.observe_held(during=both)  # the old pool, where it was held beside the new one
+        log.debug("KV cache of %s: %d -> %d slots", iid, old, slots)
+
+    def observe_held(self, during: int = 0) -> int:
+        """What this worker's engines hold now, measured from them (plus `during`: a pool a
+        resize held beside the new one); the peak is kept (the OOM check of the tests)."""
+        held = during
+        for inst in self.worker.instances.values():
+            if inst.engine is not None:
+                held += inst.weights_bytes + _kv_nbytes(inst.engine)
+        self.held_peak = max(self.held_peak, held)
+        HELD_PEAK.set(self.held_peak)
+        return held
 
     # --- admission ------------------------------------------------------------------------------
     def _node(self, now: float) -> list[MeshInstance]:
@@ -241,7 +414,23 @@ class MeshNode:
                           kv_cache_bytes=1 << 62)
 
         started = time.monotonic()
-        profile = await w.runtime.call(lambda: measure_profile(make_engine, max_len, c.max_batch_size,
-                                                               PROFILE_REPEATS))
+        measure = lambda: w.runtime.call(lambda: measure_profile(make_engine, max_len, c.max_batch_size,  # noqa: E731
+                                                                 PROFILE_REPEATS))
+        if self.memory is None:
+            profile = await measure()
+        else:  # its engine's KV is charged while it runs (refused: OutOfMemory, not profiled)
+            kv = c.max_batch_size * await asyncio.to_thread(kv_slot_bytes_of, index, max_len + PROFILE_REPEATS + 2)
+            alloc = f"profile:{model}"
+            await self.memory.change(alloc, kv)
+            try:
+                self.observe_held(during=kv)
+                profile = await measure()
+            finally:
+                await self.memory.release(alloc)
         log.info("profiled %s on %s in %.1f s", model, self.kind, time.monotonic() - started)
         return profile
+
+
+def _kv_nbytes(engine: Engine) -> int:
+    """The bytes of an engine's KV pools (its local stages' caches)."""
+    return sum(st.kv.nbytes for st in engine.stages if hasattr(st, "kv"))

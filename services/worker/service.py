@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import psutil
 import torch
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge
@@ -41,6 +42,7 @@ from libs.transfer.transports import make_transport
 from services.common.runner import Service
 from services.worker.host_cache import HostBlockCache
 from services.worker.loading import Instance, InstanceLoading
+from services.worker.memory import MemoryOrchestrator
 from services.worker.mesh import ELSEWHERE_REFRESH_S, PREEMPTIONS, Admitted, MeshNode, Slo
 from services.worker.pipelines import PipelineStages
 from services.worker.runtime import EngineRuntime
@@ -114,6 +116,26 @@ class WorkerConfig:
     # Live steps refresh the profiles this often (0: never). Off by default: on, it left a
     # validated model later than the measured profile did (tests/integration/test_mesh_e2e.py).
     profile_refresh_s: float = 0.0
+    # sharing=mesh, hazard-aware memory (LLM-Mesh §6.3-6.4): the bytes this worker's engines may
+    # hold, weights and KV (0: the memory available when the worker starts); the KV watermark w
+    # (grow to M_require * (1 + w), shrink only below M_recommend * (1 + w)); L_min in KV slots,
+    # 0: no elastic KV, every instance's KV fixed at its ceiling (still charged). 0 by default:
+    # a resize copies the live KV on the engine thread, time shadow validation does not count
+    # yet, and with KV grown per request the mesh e2e's validated steady model came late.
+    memory_capacity_bytes: int = 0
+    kv_watermark: float = 0.2
+    kv_min_slots: int = 0
+
+
+def memory_capacity(c: WorkerConfig) -> int:
+    """The bytes this worker's engines may hold (sharing=mesh): as configured, else the memory
+    free at start (the device's, for a CUDA worker)."""
+    if c.memory_capacity_bytes > 0:
+        return c.memory_capacity_bytes
+    device = torch.device(c.device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
 
 
 class _HostTierBlocks:
@@ -170,6 +192,7 @@ class _Request:
     streamed: bool = False  # a token went out (its hop is in the trace)
     sent: int = 0
     admitted: Admitted | None = None  # sharing=mesh: its SLO clock, for shadow validation
+    submitted: bool = False  # handed to the engine (sharing=mesh: its KV may be there, a resize copies it)
 
 
 class WorkerService(Service):
@@ -180,7 +203,9 @@ class WorkerService(Service):
         if config.sharing not in ("exclusive", "mesh"):
             raise ValueError(f"sharing must be 'exclusive' or 'mesh', got {config.sharing!r}")
         self.config = config
-        self.mesh = MeshNode(self, config.shadow_validation) if config.sharing == "mesh" else None
+        # sharing=mesh: every change of the engines' memory goes through the orchestrator (§6.3)
+        self.memory = MemoryOrchestrator(memory_capacity(config)) if config.sharing == "mesh" else None
+        self.mesh = MeshNode(self, config.shadow_validation, self.memory) if config.sharing == "mesh" else None
         self.cache = HostBlockCache(config.host_capacity_bytes, config.host_cache_models)
         self.loader = BlockLoader(config.device, LoaderConfig(chunk_bytes=config.load_chunk_bytes,
                                                               threads=config.load_threads))
@@ -369,7 +394,11 @@ class WorkerService(Service):
             # in flight finish instead (the detach waits for it; a stage gone meanwhile fails it
             # at its timeout).
             self.runtime.abort_remote_stages(inst.info.instance_id, reason)
-        await self.runtime.detach(inst.info.instance_id)
+        if inst.engine is not None:  # mesh: its memory is released as the engine goes
+            await self.mesh.release_load(inst.info.instance_id, lambda: self.runtime.detach(inst.info.instance_id))
+            inst.engine = None
+        else:
+            await self.runtime.detach(inst.info.instance_id)
         self.instances.pop(inst.info.instance_id, None)
         released = list(inst.keys)
         while inst.keys:
@@ -421,6 +450,8 @@ class WorkerService(Service):
                 req.span.set_attribute("layercast.completion_tokens", req.sent)
                 req.span.end()
                 del self.requests[request_id]
+                if self.mesh is not None:
+                    self.spawn(self.mesh.request_ended(instance_id))  # KV shrinks lazily, by the watermark
 
     def _preempt(self, instance_id: str, by: str) -> None:
         """§7.1: end every request of `instance_id` here with a `preempted` error event; the
@@ -428,8 +459,8 @@ class WorkerService(Service):
         before the last one is gone, so the admission that asked for it sees the room."""
         why = f"preempted by instance {by} (LLM-Mesh §7.1)"
         for request_id, req in list(self.requests.items()):
-            if req.instance_id != instance_id or not req.next_index:
-                continue
+            if req.instance_id != instance_id or not req.next_index or not req.submitted:
+                continue  # (one not submitted yet waits for its KV: it goes on as admitted)
             del self.requests[request_id]
             self.runtime.cancel(instance_id, request_id)
             choice = min(req.next_index)
@@ -441,6 +472,7 @@ class WorkerService(Service):
             PREEMPTIONS.labels(req.model).inc()
             self.spawn(publish(self.broker, req.reply_subject, ev))
         log.info("instance %s preempted by %s", instance_id, by)
+        self.spawn(self.mesh.request_ended(instance_id))  # its KV shrinks lazily, as when requests end
 
     def _require_checkpoint(self, path: str) -> None:
         if not os.path.isdir(path):
@@ -565,9 +597,19 @@ class WorkerService(Service):
                 span.set_attribute("layercast.resumed_tokens", len(req.generated_ids))
             if (old := self.requests.get(req.request_id)) is not None:
                 old.span.end()  # handed over from another instance here: that run is over
-            self.requests[req.request_id] = _Request(req.instance_id, req.model, inst.info.mode, req.reply_subject,
-                                                     span, next_index={c: len(ids) for c, ids in choices.items()},
-                                                     admitted=admitted)
+            registered = _Request(req.instance_id, req.model, inst.info.mode, req.reply_subject, span,
+                                  next_index={c: len(ids) for c, ids in choices.items()}, admitted=admitted)
+            self.requests[req.request_id] = registered
+            if self.mesh is not None and not await self.mesh.fit_kv(inst):
+                # Validated and registered, but its KV cannot be granted now (§6.4): busy, as a
+                # refusal by validation, so the gateway tries elsewhere or waits.
+                if self.requests.get(req.request_id) is registered:
+                    del self.requests[req.request_id]
+                span.set_attribute("layercast.kv_refused", True)
+                span.end()
+                raise DomainError(f"{wid} has no memory for the KV of another request on {req.instance_id} now",
+                                  code="busy")
+            registered.submitted = True
             self.runtime.submit(req.instance_id, req.request_id, req.prompt_ids, params, req.generated_ids,
                                 req.choices or None,
                                 None if admitted is None else (admitted.start, admitted.slo.ttft_s, admitted.slo.tpot_s))
@@ -598,4 +640,6 @@ class WorkerService(Service):
                 self.runtime.cancel(req.instance_id, ev.request_id)
                 req.span.set_attribute("layercast.cancelled", True)
                 req.span.end()
+                if self.mesh is not None:
+                    self.spawn(self.mesh.request_ended(req.instance_id))
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from libs.engine import Engine, SamplingParams
+from libs.engine import Engine, SamplingParams, kv_slot_bytes_of
 from libs.engine.kv import SlotKVCache, kv_bytes_per_slot
 
 arch, hf_dir, block_dir = conftest_models.arch, conftest_models.hf_dir, conftest_models.block_dir  # fixtures
@@ -142,6 +142,7 @@ def test_slot_bytes_and_slots_of_an_engine(block_dir, splits):
     config = engine.model.config
     per_slot = kv_bytes_per_slot(config, config.num_hidden_layers, SEQ, engine.model.dtype)
     assert engine.kv_slots == 8 and engine.kv_slot_bytes == per_slot
+    assert kv_slot_bytes_of(engine.index, SEQ) == per_slot  # known before building (a worker charges it)
     engine.resize_kv(3)
     assert engine.kv_slot_bytes == per_slot
     assert sum(st.kv.nbytes for st in engine.stages) == 3 * per_slot

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from hypothesis import strategies as st
 
 from libs.planning.mesh import (
@@ -14,12 +15,14 @@ from libs.planning.mesh import (
     MeshInstance,
     Profile,
     RunningRequest,
+    abort,
     can_move,
     candidate_order,
     complete,
     default_ttft_slo,
     eviction_victim,
     issue,
+    kv_fit,
     kv_grant,
     kv_require,
     kv_resize,
@@ -356,6 +359,35 @@ def test_the_grant_compromises_to_the_requirement_then_refuses():
     assert kv_grant(300, 150, 200, available=0) == 300  # no growth needed
 
 
+def test_kv_fit_counts_slots_and_follows_the_watermarks():
+    fit = dict(slot_bytes=100, watermark=0.5, min_slots=1, max_slots=8)
+    assert kv_fit(1, 0, available=0, **fit) == 1  # L_min: one slot even idle
+    assert kv_fit(1, 2, available=10_000, **fit) == 3  # short: up at once to 2 * 1.5 slots
+    assert kv_fit(3, 2, available=0, **fit) == 3  # enough: unchanged, nothing asked of the budget
+    assert kv_fit(2, 1, available=0, **fit) == 2  # 1 * 1.5 * 1.5 = 2.25 slots is not below 2: lazy
+    assert kv_fit(3, 1, available=0, **fit) == 2  # it is below 3: down to the recommendation (1.5 -> 2)
+    assert kv_fit(4, 7, available=10_000, **fit) == 8  # never past the ceiling
+    # A copying resize holds old and new at once: 3 -> 2*1.5 needs 300 free, the compromise 200.
+    assert kv_fit(1, 2, available=300, **fit) == 3
+    assert kv_fit(1, 2, available=250, **fit) == 2
+    assert kv_fit(1, 2, available=150, **fit) is None
+    assert kv_fit(1, 2, available=150, copies=False, **fit) == 2  # in place, the difference is enough
+
+
+@given(st.integers(1, 16), st.integers(0, 40), st.floats(0, 1), st.integers(1, 4), st.integers(0, 4000))
+def test_kv_fit_holds_the_rows_it_can_and_stays_inside_the_budget(current, rows, w, min_slots, available):
+    max_slots = 16
+    slots = kv_fit(current, rows, slot_bytes=100, watermark=w, min_slots=min_slots, max_slots=max_slots,
+                   available=available)
+    need = min(max(rows, min_slots), max_slots)
+    if slots is None:
+        assert current < need and need * 100 > available  # refused only when even the compromise does not fit
+    else:
+        assert need <= slots <= max_slots
+        if slots > current:
+            assert slots * 100 <= available  # old + new (the copy) fit in what the budget has free
+
+
 # --- the reservation station --------------------------------------------------------------------------
 
 
@@ -414,3 +446,104 @@ def test_no_interleaving_of_issued_operations_exceeds_the_memory_cap(actions, ca
         start(started)
         assert sum(sizes.values()) <= capacity
     assert state.waiting == () and sum(sizes.values()) == state.budget == state.tracked
+
+
+def test_a_failed_shrink_refuses_the_growth_waiting_for_it():
+    s = MemoryState(capacity=100, budget=100, tracked=100)
+    s, _, _ = issue(s, MemOp("down", old=60, new=20))
+    s, ok, started = issue(s, MemOp("up", old=0, new=30))
+    assert ok and started == ()
+    s, started, refused = abort(s, "down")  # the 40 bytes never came free
+    assert started == () and [o.id for o in refused] == ["up"]
+    assert s.running == s.waiting == () and s.budget == s.tracked == 100
+
+
+def test_an_aborted_growth_gives_its_memory_back_and_starts_what_waited():
+    s = MemoryState(capacity=100, budget=60, tracked=60)
+    s, _, started = issue(s, MemOp("grow", old=0, new=30))  # 90: runs
+    s, _, _ = issue(s, MemOp("down", old=40, new=10))  # budget 60, tracking still 90
+    s, ok, started = issue(s, MemOp("up", old=0, new=25))  # budget 85; 90 + 25 would overrun: waits
+    assert ok and started == ()
+    s, started, refused = abort(s, "grow")  # its 30 bytes were never kept
+    assert [o.id for o in started] == ["up"] and refused == () and s.tracked == 85 and s.budget == 55
+    s, _, _ = abort(s, "up")  # a running growth taken back
+    s, started = complete(s, "down")
+    assert s.tracked == s.budget == 30 and s.running == s.waiting == ()
+    with pytest.raises(KeyError):
+        abort(s, "down")
+
+
+class MemoryOperations(RuleBasedStateMachine):
+    """Issue, complete and abort in any order: the memory really held stays within capacity; a
+    growth waits only while a shrink runs (the one that can make room), so nothing waits forever."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = {k: 0 for k in range(4)}  # what each allocation really holds
+        self.busy: dict[int, MemOp] = {}
+        self.n = 0
+        self.state = MemoryState(capacity=100)
+        self.seen = set()
+
+    def _start(self, ops):
+        for op in ops:
+            if op.delta > 0:
+                self.sizes[int(op.id.split(":")[0])] += op.delta  # a growth allocates as it starts
+
+    @rule(k=st.integers(0, 3), size=st.sampled_from([0, 10, 25, 40, 60]))
+    def issue(self, k, size):
+        if k in self.busy:
+            return
+        self.n += 1
+        self.state, ok, started = issue(self.state, MemOp(f"{k}:{self.n}", old=self.sizes[k], new=size))
+        if ok:
+            self.busy[k] = MemOp(f"{k}:{self.n}", old=self.sizes[k], new=size)
+            self._start(started)
+
+    @rule(i=st.integers(0, 3))
+    def complete(self, i):
+        if not self.state.running:
+            return
+        op = self.state.running[i % len(self.state.running)]
+        if op.delta < 0:
+            self.sizes[int(op.id.split(":")[0])] += op.delta  # a shrink frees only once done
+        self.state, started = complete(self.state, op.id)
+        del self.busy[int(op.id.split(":")[0])]
+        self._start(started)
+
+    @rule(i=st.integers(0, 3))
+    def abort(self, i):
+        if not self.busy:
+            return
+        op = list(self.busy.values())[i % len(self.busy)]
+        was_running = op in self.state.running
+        waiting = set(self.state.waiting)
+        self.state, started, refused = abort(self.state, op.id)
+        assert set(refused) <= waiting - {op}
+        if was_running and op.delta > 0:
+            self.sizes[int(op.id.split(":")[0])] -= op.delta  # a failed growth holds nothing
+        for o in (op, *refused):
+            del self.busy[int(o.id.split(":")[0])]
+        self._start(started)
+        self.seen |= {"refused"} if refused else set()
+
+    @invariant()
+    def within_capacity_and_nothing_waits_in_vain(self):
+        s = self.state
+        assert sum(self.sizes.values()) <= s.capacity  # never an out-of-memory
+        assert s.tracked <= s.capacity and s.budget <= s.capacity
+        assert set(self.busy.values()) == set(s.running) | set(s.waiting)
+        if not any(o.delta < 0 for o in s.running):
+            assert s.waiting == ()  # nothing can make room any more: nothing waits
+        if s.waiting:
+            self.seen.add("waits")
+
+    def teardown(self):
+        while self.state.running:  # everything issued runs eventually
+            self.complete(0)
+            self.within_capacity_and_nothing_waits_in_vain()
+        assert sum(self.sizes.values()) == self.state.budget == self.state.tracked
+
+
+MemoryOperations.TestCase.settings = settings(max_examples=500, stateful_step_count=60, deadline=None)
+test_no_interleaving_with_aborts_overruns_memory_or_waits_forever = MemoryOperations.TestCase
