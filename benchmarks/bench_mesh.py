@@ -56,11 +56,11 @@ import httpx
 from benchmarks.bench_trace import (
     BENCH_MODEL_MARKER,
     Outcome,
-    _client,
+    Send,
     make_bench_model,
     model_limits,
     prompt_ids,
-    send_one,
+    send_all,
 )
 from benchmarks.harness import ADMIN_KEY, API_KEY, EventRecorder, namespaced, service_env
 from benchmarks.mesh_workload import MeshRequest, MeshWorkloadSpec, load_workload
@@ -327,21 +327,13 @@ def mesh_cluster(sharing: str, models: dict[str, Path], cfg: MeshBenchConfig, st
 
 async def replay(cluster: MeshCluster, requests: Sequence[MeshRequest], limits: dict[str, tuple[int, set[int]]],
                  seed: int, timeout_s: float, lead_s: float = 0.5) -> tuple[float, list[Outcome]]:
-    url = cluster.state.gateway_url.rstrip("/") + "/v1/completions"
-    names = [model_name(r.model) for r in requests]
-    prompts = [prompt_ids(r.prompt_tokens, seed * 1_000_003 + r.row, *limits[n]) for r, n in zip(requests, names)]
-    async with _client(timeout_s) as client:
-        origin = time.perf_counter() + lead_s
-        wall0 = time.time() + lead_s
-
-        async def one(i: int, r: MeshRequest) -> Outcome:
-            await asyncio.sleep(max(0.0, origin + r.send_at_s - time.perf_counter()))
-            out = Outcome(i, r.send_at_s, 0.0, r.prompt_tokens, r.output_tokens)
-            return await send_one(client, url, cluster.state.api_key, names[i], prompts[i], r.output_tokens,
-                                  timeout_s, out, origin)
-
-        outcomes = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
-    return wall0, list(outcomes)
+    sends = []
+    for r in requests:
+        name = model_name(r.model)
+        sends.append(Send(r.send_at_s, name, prompt_ids(r.prompt_tokens, seed * 1_000_003 + r.row, *limits[name]),
+                          r.output_tokens))
+    return await send_all(cluster.state.gateway_url.rstrip("/") + "/v1/completions", cluster.state.api_key, sends,
+                          timeout_s, lead_s)
 
 
 def complies(o: Outcome, ttft_slo_s: float | None, tpot_slo_s: float) -> bool:

@@ -258,23 +258,38 @@ def _client(timeout_s: float) -> httpx.AsyncClient:
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
 
 
-async def replay(handle: ClusterHandle, requests: Sequence[ReplayRequest], vocab: int, avoid: set[int], seed: int,
-                 timeout_s: float, lead_s: float = 0.5) -> tuple[float, list[Outcome]]:
-    """Send every request at its time; returns (wall-clock start of the replay, outcomes in request order)."""
-    url = handle.openai_base_url + "/completions"
-    prompts = [prompt_ids(r.prompt_tokens, seed * 1_000_003 + r.row, vocab, avoid) for r in requests]
+@dataclass(frozen=True)
+class Send:
+    """One request of a replay: when it goes (seconds from the start), to which model, what."""
+
+    at_s: float
+    model: str
+    prompt: list[int]
+    output_tokens: int
+
+
+async def send_all(url: str, api_key: str, sends: Sequence[Send], timeout_s: float,
+                   lead_s: float = 0.5) -> tuple[float, list[Outcome]]:
+    """Send every request at its time; returns (wall-clock start of the replay, outcomes in order)."""
     async with _client(timeout_s) as client:
         origin = time.perf_counter() + lead_s
         wall0 = time.time() + lead_s
 
-        async def one(i: int, r: ReplayRequest) -> Outcome:
-            await asyncio.sleep(max(0.0, origin + r.send_at_s - time.perf_counter()))
-            out = Outcome(i, r.send_at_s, 0.0, r.prompt_tokens, r.output_tokens)
-            return await send_one(client, url, handle.api_key, handle.model, prompts[i], r.output_tokens, timeout_s,
-                                  out, origin)
+        async def one(i: int, s: Send) -> Outcome:
+            await asyncio.sleep(max(0.0, origin + s.at_s - time.perf_counter()))
+            out = Outcome(i, s.at_s, 0.0, len(s.prompt), s.output_tokens)
+            return await send_one(client, url, api_key, s.model, s.prompt, s.output_tokens, timeout_s, out, origin)
 
-        outcomes = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+        outcomes = await asyncio.gather(*(one(i, s) for i, s in enumerate(sends)))
     return wall0, list(outcomes)
+
+
+async def replay(handle: ClusterHandle, requests: Sequence[ReplayRequest], vocab: int, avoid: set[int], seed: int,
+                 timeout_s: float, lead_s: float = 0.5) -> tuple[float, list[Outcome]]:
+    """The trace's requests to the handle's model, each at its time."""
+    sends = [Send(r.send_at_s, handle.model, prompt_ids(r.prompt_tokens, seed * 1_000_003 + r.row, vocab, avoid),
+                  r.output_tokens) for r in requests]
+    return await send_all(handle.openai_base_url + "/completions", handle.api_key, sends, timeout_s, lead_s)
 
 
 # --- SLO calibration ---------------------------------------------------------------------------
