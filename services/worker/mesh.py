@@ -152,6 +152,10 @@ class MeshNode:
         self.elsewhere: frozenset[str] = frozenset()
         self._profiling: dict[str, asyncio.Task] = {}
         self.memory = memory
+        # Elastic KV (kv_min_slots >= 1): off, every instance's KV stays at its ceiling, charged
+        # once at load, and admission and request ends leave it alone.
+        self.elastic = worker.config.kv_min_slots > 0
+        self._shrink_deferred: set[str] = set()  # instances whose shrink found no room for its copy
         self._kv_locks: dict[str, asyncio.Lock] = {}  # instance -> one KV change at a time
         self._kv_slots_seen: set[str] = set()  # instances with a KV_SLOTS sample
         self.held_peak = 0
@@ -197,16 +201,17 @@ class MeshNode:
 
     def _kv_target(self, inst: Instance) -> int | None:
         c = self.worker.config
-        return kv_fit(inst.engine.kv_slots, self._rows(inst.info.instance_id), slot_bytes=inst.kv_slot_bytes,
+        iid = inst.info.instance_id
+        return kv_fit(inst.engine.kv_slots, self._rows(iid), slot_bytes=inst.kv_slot_bytes,
                       watermark=c.kv_watermark, min_slots=kv_floor(c.kv_min_slots, inst.kv_ceiling),
-                      max_slots=inst.kv_ceiling,
-                      available=self.memory.available, copies=self._rows(inst.info.instance_id, True) > 0)
+                      max_slots=inst.kv_ceiling, available=self.memory.available,
+                      copies=self._rows(iid, submitted_only=True) > 0)
 
     async def fit_kv(self, inst: Instance) -> bool:
         """Admission's last step, with the request registered: grow the instance's KV to hold
         its rows (the watermark's recommendation, else the requirement); False when the budget
         cannot grant it (the request cannot join now)."""
-        if inst.engine is None:  # not an elastic-KV instance (a pipeline)
+        if inst.engine is None or not self.elastic:  # KV fixed (or a pipeline's): nothing to fit
             return True
         async with self._kv_lock(inst.info.instance_id):
             if inst.draining or self.worker.instances.get(inst.info.instance_id) is not inst:
@@ -229,26 +234,29 @@ class MeshNode:
 
     async def request_ended(self, instance_id: str) -> None:
         """A request ended on the instance: its KV may shrink (lazily, by the watermark), and so
-        may the others' (a shrink refused earlier for want of room for its copy may fit now)."""
-        await self.shrink_kv(instance_id)
-        for other in list(self.worker.instances):
-            if other != instance_id:
-                await self.shrink_kv(other)
+        may those whose shrink was refused earlier for want of room for its copy."""
+        if not self.elastic:
+            return
+        for iid in [instance_id, *sorted(self._shrink_deferred - {instance_id})]:
+            await self.shrink_kv(iid)
 
     async def shrink_kv(self, instance_id: str) -> None:
         """Shrink the instance's KV if the watermark says so."""
         inst = self.worker.instances.get(instance_id)
         if inst is None or inst.engine is None:
+            self._shrink_deferred.discard(instance_id)
             return
         async with self._kv_lock(instance_id):
             if inst.draining or self.worker.instances.get(instance_id) is not inst:
                 return
+            self._shrink_deferred.discard(instance_id)
             target = self._kv_target(inst)
             if target is None or target >= inst.engine.kv_slots:
                 return
             try:
                 await self._resize(inst, target)
             except OutOfMemory:
+                self._shrink_deferred.add(instance_id)
                 log.info("shrinking the KV cache of %s waits: no room for its copy now", instance_id)
             except Exception:  # noqa: BLE001 - taken back: the cache keeps its size
                 log.warning("shrinking the KV cache of %s failed", instance_id, exc_info=True)
