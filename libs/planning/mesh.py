@@ -43,6 +43,7 @@ __all__ = [
     "abort",
     "MeshInstance",
     "Profile",
+    "ResizeCost",
     "RunningRequest",
     "Validation",
     "bin_packing_key",
@@ -289,16 +290,17 @@ class Late:
 
 
 def simulate(instances: Sequence[MeshInstance], now: float, *, until_tokens: dict[str, int] | None = None,
-             margin: float = MARGIN, max_iterations: int = 10_000) -> tuple[Late, ...]:
+             margin: float = MARGIN, max_iterations: int = 10_000, stall_s: float = 0.0) -> tuple[Late, ...]:
     """Run the node's token-level schedule forward in time (each iteration `1 + margin` times its
     profile) and return every token that came after its deadline (first lateness per request).
     Stops once each request in `until_tokens` has that many tokens (default: every request two
-    more), or after `max_iterations`."""
+    more), or after `max_iterations`. `stall_s`: the node computes nothing for that long first
+    (a KV resize holding its engine thread)."""
     state = {i.id: i for i in instances}
     goal = until_tokens if until_tokens is not None else {
         r.id: r.generated + 2 for i in instances for r in i.requests}
     late: dict[str, Late] = {}
-    t = now
+    t = now + stall_s
     for _ in range(max_iterations):
         produced = {r.id: r.generated for i in state.values() for r in i.requests}
         if all(produced.get(rid, math.inf) >= n for rid, n in goal.items()):
@@ -333,17 +335,19 @@ class Validation:
 
 
 def shadow_validate(node: Sequence[MeshInstance], target: MeshInstance, new: RunningRequest, now: float,
-                    margin: float = MARGIN) -> Validation:
+                    margin: float = MARGIN, stall_s: float = 0.0) -> Validation:
     """Whether `new` may join `target` (one of `node`'s instances, or a new one) on this node:
     simulate the node's future with and without it, up to the new request's first two decoded
     tokens (R5-D1, R5-D2 in Fig. 6), and refuse on any of the three cases. A request that is late
-    even without the new one is not held against it."""
+    even without the new one is not held against it. `stall_s`: what joining costs the node
+    before its next iteration (growing `target`'s KV cache, §6.2: the copy holds the engine
+    thread), counted in the future with the new request only."""
     joined = replace(target, requests=(*target.requests, new))
     with_new = [joined if i.id == target.id else i for i in node]
     if all(i.id != target.id for i in node):
         with_new.append(joined)
     goal = {r.id: r.generated + 2 for i in node for r in i.requests} | {new.id: new.generated + 3}
-    late = simulate(with_new, now, until_tokens=goal, margin=margin)
+    late = simulate(with_new, now, until_tokens=goal, margin=margin, stall_s=stall_s)
     mine = next((x for x in late if x.request == new.id), None)
     if mine is not None:
         return Validation(False, "new_prefill_late", f"{new.id} late by {mine.lateness_s:.3f} s")
@@ -387,7 +391,8 @@ def can_move(request: RunningRequest, profile: Profile, now: float, margin: floa
 
 
 def plan_preemption(node: Sequence[MeshInstance], target: MeshInstance, new: RunningRequest, now: float,
-                    elsewhere: Collection[str], margin: float = MARGIN) -> tuple[MeshInstance, ...]:
+                    elsewhere: Collection[str], margin: float = MARGIN,
+                    stall_s: float = 0.0) -> tuple[MeshInstance, ...]:
     """§7.1 proactive defragmentation: when `new` fails shadow validation on `target`, the
     neighbours whose requests to move elsewhere so that it passes: the fewest of
     :func:`preemption_candidates` (smaller batches than `target`'s, the smallest first), each of
@@ -398,7 +403,7 @@ def plan_preemption(node: Sequence[MeshInstance], target: MeshInstance, new: Run
     for k in range(1, len(movable) + 1):
         gone = {i.id for i in movable[:k]}
         rest = [replace(i, requests=()) if i.id in gone else i for i in node]
-        if shadow_validate(rest, target, new, now, margin).ok:
+        if shadow_validate(rest, target, new, now, margin, stall_s).ok:
             return tuple(movable[:k])
     return ()
 
@@ -458,6 +463,31 @@ def kv_fit(current: int, rows: int, *, slot_bytes: int, watermark: float, min_sl
     free = available - (current * slot_bytes if copies else 0)
     granted = kv_grant(current * slot_bytes, require * slot_bytes, target * slot_bytes, free)
     return None if granted is None else granted // slot_bytes
+
+
+@dataclass(frozen=True)
+class ResizeCost:
+    """How long a KV resize holds the engine thread: `fixed_s` (allocating the new pool, the
+    bookkeeping) plus `per_slot_s` for each live slot whose KV is copied into it. Learned from
+    the resizes a worker measures (:meth:`observed`); the prior is pessimistic, so the first
+    resizes are admitted with room to spare rather than late."""
+
+    fixed_s: float = 0.005
+    per_slot_s: float = 0.002
+
+    def seconds(self, copied_slots: int) -> float:
+        return self.fixed_s + self.per_slot_s * max(0, copied_slots)
+
+    def observed(self, copied_slots: int, seconds: float, rate: float = 0.2) -> ResizeCost:
+        """Pulled `rate` of the way toward one measured resize: the part of the error the
+        estimate had, spread over its two terms in proportion to their shares of it."""
+        if not math.isfinite(seconds) or seconds < 0:
+            return self
+        estimate = self.seconds(copied_slots)
+        if estimate <= 0:
+            return ResizeCost(seconds, self.per_slot_s)
+        scale = 1 + rate * (seconds / estimate - 1)
+        return ResizeCost(self.fixed_s * scale, self.per_slot_s * scale)
 
 
 # --- §6.3 hazard-aware orchestration -----------------------------------------------------------------

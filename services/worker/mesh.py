@@ -19,7 +19,9 @@ validation. The decisions are libs/planning/mesh.py's; this carries them out.
   allocates; the engine starts that small and advertises its ceiling as max_batch. A request,
   once validated and registered, joins only if its instance's KV fits its rows (`kv_fit`: the
   watermark's early scale-up, else the compromise to the requirement, against the budget; a
-  resize copies, so it is charged old + new while it runs); else "busy". When a request ends
+  resize copies, so it is charged old + new while it runs); else "busy". A growth holds the
+  engine thread while it copies: shadow validation counts it (`growth_stall`, its cost learned
+  from the resizes measured here), so it cannot push another model's token late. When a request ends
   the cache shrinks lazily (the watermark rule). One KV change per instance at a time. No
   eviction: §6.4's last resort (evict and reschedule the request with the longest headroom)
   is not done, since a request never joins without its KV.
@@ -44,6 +46,7 @@ from libs.planning.mesh import (
     DEFAULT_TPOT_SLO_S,
     MeshInstance,
     Profile,
+    ResizeCost,
     RunningRequest,
     Validation,
     default_ttft_slo,
@@ -158,6 +161,7 @@ class MeshNode:
         self._shrink_deferred: set[str] = set()  # instances whose shrink found no room for its copy
         self._kv_locks: dict[str, asyncio.Lock] = {}  # instance -> one KV change at a time
         self._kv_slots_seen: set[str] = set()  # instances with a KV_SLOTS sample
+        self.resize_cost = ResizeCost()  # learned from the resizes measured here
         self.held_peak = 0
 
     # --- memory (§6) ----------------------------------------------------------------------------
@@ -271,7 +275,10 @@ class MeshNode:
         def resize() -> int:
             """The bytes of the old pool held beside the new one (0: dropped first)."""
             before, live = _kv_nbytes(engine), engine.max_batch_size - engine.free_slots
+            started = time.perf_counter()
             engine.resize_kv(slots)
+            # Read on the event loop (the next admission's stall): one float, swapped whole.
+            self.resize_cost = self.resize_cost.observed(live, time.perf_counter() - started)
             return before if live else 0
 
         both = await self.memory.change(
@@ -332,10 +339,24 @@ class MeshNode:
                                        target.device)
             node = [target_with if i.id == target.id else i for i in node]
             target = target_with
-        verdict = shadow_validate(node, target, joined[0], now)
-        victims = () if verdict.ok or not preempt else plan_preemption(node, target, joined[0], now, self.elsewhere)
+        stall = self.growth_stall(inst, n)
+        verdict = shadow_validate(node, target, joined[0], now, stall_s=stall)
+        victims = () if verdict.ok or not preempt else plan_preemption(node, target, joined[0], now, self.elsewhere,
+                                                                       stall_s=stall)
         ADMISSIONS.labels(model, "admitted" if verdict.ok else "preempting" if victims else verdict.case).inc()
         return Verdict(verdict, tuple(v.id for v in victims))
+
+    def growth_stall(self, inst: Instance, n: int) -> float:
+        """Seconds the engine thread will spend growing `inst`'s KV cache (copying its live KV
+        into a bigger pool) before `n` more rows can run there; 0 when its KV holds them already
+        (or is fixed). Shadow validation counts it: every instance's next iteration waits."""
+        if not self.elastic or inst.engine is None:
+            return 0.0
+        iid = inst.info.instance_id
+        rows = self._rows(iid) + n
+        if rows <= inst.engine.kv_slots or inst.engine.kv_slots >= inst.kv_ceiling:
+            return 0.0
+        return self.resize_cost.seconds(self._rows(iid, submitted_only=True))
 
     async def refresh_elsewhere(self) -> None:
         """The models served on other workers too, from the registry's view."""

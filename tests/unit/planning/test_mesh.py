@@ -14,6 +14,7 @@ from libs.planning.mesh import (
     MemoryState,
     MeshInstance,
     Profile,
+    ResizeCost,
     RunningRequest,
     abort,
     can_move,
@@ -244,6 +245,34 @@ def test_case_3_the_nodes_decode_iteration_would_exceed_the_tpot_slo():
     v = shadow_validate(node, node[1], new, now=0.0)
     assert (v.ok, v.case) == (False, "node_tpot_exceeded"), v
     assert shadow_validate(node, node[0], new, now=0.0).ok  # one batch of two: one 0.11 s iteration
+
+
+def test_a_kv_growth_that_holds_the_engine_thread_counts_against_the_other_models():
+    # The old request (another model) has 0.3 s before its next token, and its iteration takes
+    # 0.011 s: a small new request fits, unless joining first stalls the node for 0.5 s (the
+    # new instance's KV copied into a bigger pool on the engine thread).
+    node, _ = node_with(1, generated=1)
+    node[0] = MeshInstance("a", "m1", node[0].profile,
+                           (RunningRequest("old0", start=0.0, prompt_len=64, generated=1, ttft_slo_s=0.05,
+                                           tpot_slo_s=0.25),))
+    new = RunningRequest("new", start=0.0, prompt_len=16, ttft_slo_s=3.0)
+    assert shadow_validate(node, node[1], new, now=0.0).ok
+    assert shadow_validate(node, node[1], new, now=0.0, stall_s=0.2).ok  # within its headroom
+    v = shadow_validate(node, node[1], new, now=0.0, stall_s=0.5)
+    assert (v.ok, v.case) == (False, "existing_late"), v
+    # a request late even without the new one is not held against the stall either
+    assert shadow_validate(node, node[1], new, now=1.0, stall_s=0.5).ok
+
+
+@given(st.floats(0, 1), st.floats(0, 1e-2), st.integers(0, 64), st.floats(0, 2), st.floats(0.01, 1))
+def test_the_resize_cost_moves_toward_what_a_resize_took_and_never_past_it(fixed, per_slot, slots, took, rate):
+    cost = ResizeCost(fixed, per_slot)
+    before, after = cost.seconds(slots), cost.observed(slots, took, rate).seconds(slots)
+    if before > 0:
+        assert min(before, took) - 1e-12 <= after <= max(before, took) + 1e-12
+        assert abs(after - took) <= abs(before - took) + 1e-12
+    assert cost.observed(slots, cost.seconds(slots), rate).seconds(slots) == pytest.approx(before)
+    assert cost.observed(slots, math.nan, rate) == cost
 
 
 def test_a_request_late_anyway_does_not_block_a_new_one():
