@@ -119,12 +119,11 @@ class WorkerConfig:
     # sharing=mesh, hazard-aware memory (LLM-Mesh §6.3-6.4): the bytes this worker's engines may
     # hold, weights and KV (0: the memory available when the worker starts); the KV watermark w
     # (grow to M_require * (1 + w), shrink only below M_recommend * (1 + w)); L_min in KV slots,
-    # 0: no elastic KV, every instance's KV fixed at its ceiling (still charged). 0 by default:
-    # a resize copies the live KV on the engine thread, time shadow validation does not count
-    # yet, and with KV grown per request the mesh e2e's validated steady model came late.
+    # 0: no elastic KV, every instance's KV fixed at its ceiling (still charged). A growth's copy
+    # holds the engine thread; shadow validation counts it (MeshNode.growth_stall).
     memory_capacity_bytes: int = 0
     kv_watermark: float = 0.2
-    kv_min_slots: int = 0
+    kv_min_slots: int = 1
 
 
 def memory_capacity(c: WorkerConfig) -> int:
