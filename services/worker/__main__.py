@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--kv-watermark", type=float, default=float(env("LAYERCAST_KV_WATERMARK", "0.2")),
                    help="with --sharing mesh: a KV cache grows to its need x (1 + w) and shrinks only "
                         "once that is below its size / (1 + w)")
-    p.add_argument("--kv-min-slots", type=int, default=int(env("LAYERCAST_KV_MIN_SLOTS", "1")),
+    p.add_argument("--kv-min-slots", type=int, default=int(env("LAYERCAST_KV_MIN_SLOTS", "0")),
                    help="with --sharing mesh: elastic KV, the KV slots an instance keeps however idle (L_min); "
                         "0: KV fixed at the instance's ceiling")
     p.add_argument("--health-host", default=env("LAYERCAST_HEALTH_HOST", "127.0.0.1"))

@@ -110,9 +110,9 @@ def mesh_cluster(tmp_path_factory, postgres_server_url, nats_url, checkpoints, s
             nats_url=nats_url, namespace=subjects.PREFIX, heartbeat_ttl_s=2.0,
             extra_env={"LAYERCAST_SHARING": "mesh", "LAYERCAST_SHADOW_VALIDATION": "1" if validation else "0",
                        "LAYERCAST_PROFILE_MAX_LEN": str(PROFILE_MAX_LEN),
-                       # Validated: elastic KV, the default. Unvalidated: KV fixed, so the burst
-                       # reaches the engine at once (growing the KV per request admits it a few
-                       # requests per step, which softens it: not what this run shows).
+                       # Validated: elastic KV (a growth's stall counted). Unvalidated: KV fixed (the
+                       # default), so the burst reaches the engine at once (growing the KV per request
+                       # admits it a few requests per step, which softens it: not what this run shows).
                        "LAYERCAST_KV_MIN_SLOTS": "1" if validation else "0",
                        # Live refresh only where it cannot move admission (validation off): on, it
                        # left the validated steady model 0.10-0.14 s late (see the worker's default).
