@@ -335,13 +335,16 @@ class Validation:
 
 
 def shadow_validate(node: Sequence[MeshInstance], target: MeshInstance, new: RunningRequest, now: float,
-                    margin: float = MARGIN, stall_s: float = 0.0) -> Validation:
+                    margin: float = MARGIN, stall_s: float = 0.0, overdue: bool = False) -> Validation:
     """Whether `new` may join `target` (one of `node`'s instances, or a new one) on this node:
     simulate the node's future with and without it, up to the new request's first two decoded
     tokens (R5-D1, R5-D2 in Fig. 6), and refuse on any of the three cases. A request that is late
     even without the new one is not held against it. `stall_s`: what joining costs the node
     before its next iteration (growing `target`'s KV cache, §6.2: the copy holds the engine
-    thread), counted in the future with the new request only."""
+    thread), counted in the future with the new request only. `overdue`: `new` has already
+    waited past its TTFT SLO elsewhere (at the gateway), so no node can make it compliant and
+    refusing it for its own lateness (case 1) would only make it later, until it timed out; the
+    other two cases still protect the requests running here."""
     joined = replace(target, requests=(*target.requests, new))
     with_new = [joined if i.id == target.id else i for i in node]
     if all(i.id != target.id for i in node):
@@ -349,11 +352,11 @@ def shadow_validate(node: Sequence[MeshInstance], target: MeshInstance, new: Run
     goal = {r.id: r.generated + 2 for i in node for r in i.requests} | {new.id: new.generated + 3}
     late = simulate(with_new, now, until_tokens=goal, margin=margin, stall_s=stall_s)
     mine = next((x for x in late if x.request == new.id), None)
-    if mine is not None:
+    if mine is not None and not overdue:
         return Validation(False, "new_prefill_late", f"{new.id} late by {mine.lateness_s:.3f} s")
     before = {x.request for x in simulate(node, now, until_tokens={k: v for k, v in goal.items() if k != new.id},
                                           margin=margin)}
-    pushed = [x for x in late if x.request not in before]
+    pushed = [x for x in late if x.request not in before and x.request != new.id]
     if pushed:
         return Validation(False, "existing_late", f"{pushed[0].request} late by {pushed[0].lateness_s:.3f} s")
     aggregate = sum(i.decode_time() for i in with_new) * (1 + margin)
@@ -392,7 +395,7 @@ def can_move(request: RunningRequest, profile: Profile, now: float, margin: floa
 
 def plan_preemption(node: Sequence[MeshInstance], target: MeshInstance, new: RunningRequest, now: float,
                     elsewhere: Collection[str], margin: float = MARGIN,
-                    stall_s: float = 0.0) -> tuple[MeshInstance, ...]:
+                    stall_s: float = 0.0, overdue: bool = False) -> tuple[MeshInstance, ...]:
     """§7.1 proactive defragmentation: when `new` fails shadow validation on `target`, the
     neighbours whose requests to move elsewhere so that it passes: the fewest of
     :func:`preemption_candidates` (smaller batches than `target`'s, the smallest first), each of
@@ -403,7 +406,7 @@ def plan_preemption(node: Sequence[MeshInstance], target: MeshInstance, new: Run
     for k in range(1, len(movable) + 1):
         gone = {i.id for i in movable[:k]}
         rest = [replace(i, requests=()) if i.id in gone else i for i in node]
-        if shadow_validate(rest, target, new, now, margin, stall_s).ok:
+        if shadow_validate(rest, target, new, now, margin, stall_s, overdue).ok:
             return tuple(movable[:k])
     return ()
 

@@ -616,6 +616,10 @@ class GenerateRequest(Message):
     # tries another instance, or waits).
     ttft_slo_s: float | None = Field(default=None, gt=0)
     tpot_slo_s: float | None = Field(default=None, gt=0)
+    # Seconds the request has waited at the gateway before this attempt (refusals included). Past
+    # its TTFT SLO it cannot be on time anywhere: a mesh worker then refuses it only to keep the
+    # other requests on time, not for its own lateness.
+    queued_s: float = Field(default=0.0, ge=0)
 
 
 class GenerateAccepted(Message):

@@ -491,7 +491,8 @@ class GatewayService(Service):
         self._demand.set()
         model = entry.info.name
         failures, refused = 0, False
-        deadline = time.monotonic() + self.config.queue_timeout_s  # refusals do not restart the wait
+        arrived = time.monotonic()
+        deadline = arrived + self.config.queue_timeout_s  # refusals do not restart the wait
         while failures < 3:
             with _tracer.start_as_current_span("gateway.queue", attributes={
                     "layercast.model": model, "layercast.attempt": failures, "layercast.refused": refused}) as queued:
@@ -502,7 +503,8 @@ class GatewayService(Service):
                                     prompt_ids=prompt_ids, sampling=sampling,
                                     generated_ids=list(generated_ids), choices=dict(choices or {}),
                                     reply_subject=subjects.tokens(self.config.gateway_id, request_id),
-                                    ttft_slo_s=entry.info.ttft_slo_s, tpot_slo_s=entry.info.tpot_slo_s)
+                                    ttft_slo_s=entry.info.ttft_slo_s, tpot_slo_s=entry.info.tpot_slo_s,
+                                    queued_s=time.monotonic() - arrived)
             try:
                 await call(self.broker, subjects.worker_generate(route.worker_id), req, m.GenerateAccepted)
             except asyncio.CancelledError:

@@ -320,9 +320,10 @@ class MeshNode:
         return out
 
     def admit(self, inst: Instance, request_id: str, prompt_len: int, n: int, slo: Slo, now: float,
-              preempt: bool = True) -> Verdict:
+              preempt: bool = True, overdue: bool = False) -> Verdict:
         """Whether a request of `n` choices may join `inst` now (shadow validation, §5.3), and
-        if not, whether preempting smaller neighbours makes room (§7.1)."""
+        if not, whether preempting smaller neighbours makes room (§7.1). `overdue`: it waited
+        past its TTFT SLO before it came here (see `shadow_validate`)."""
         model = inst.info.model
         if not self.validate:
             return Verdict(Validation(True))
@@ -340,9 +341,9 @@ class MeshNode:
             node = [target_with if i.id == target.id else i for i in node]
             target = target_with
         stall = self.growth_stall(inst, n)
-        verdict = shadow_validate(node, target, joined[0], now, stall_s=stall)
+        verdict = shadow_validate(node, target, joined[0], now, stall_s=stall, overdue=overdue)
         victims = () if verdict.ok or not preempt else plan_preemption(node, target, joined[0], now, self.elsewhere,
-                                                                       stall_s=stall)
+                                                                       stall_s=stall, overdue=overdue)
         ADMISSIONS.labels(model, "admitted" if verdict.ok else "preempting" if victims else verdict.case).inc()
         return Verdict(verdict, tuple(v.id for v in victims))
 

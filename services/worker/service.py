@@ -583,7 +583,8 @@ class WorkerService(Service):
                 # against a node that includes this one.
                 now, slo = time.monotonic(), Slo.of(req)
                 verdict = self.mesh.admit(inst, req.request_id, len(req.prompt_ids) + min(map(len, choices.values())),
-                                          len(choices), slo, now, preempt=self.config.preemption)
+                                          len(choices), slo, now, preempt=self.config.preemption,
+                                          overdue=req.queued_s > slo.ttft_s)
                 if not verdict.ok:
                     v = verdict.validation
                     raise DomainError(f"{wid} cannot take it within its SLOs now ({v.case}: {v.detail})", code="busy")

@@ -69,10 +69,10 @@ class StandInGateway:
         async def tokens(ev: m.TokenEvent) -> None:
             self.events.setdefault(ev.request_id, []).append(ev)
 
-    async def generate(self, inst: m.InstanceInfo, request_id: str, max_tokens: int, **slos) -> None:
+    async def generate(self, inst: m.InstanceInfo, request_id: str, max_tokens: int, **fields) -> None:
         req = m.GenerateRequest(request_id=request_id, instance_id=inst.instance_id, model=inst.model,
                                 prompt_ids=PROMPT, sampling=m.SamplingSpec(max_tokens=max_tokens, temperature=0),
-                                reply_subject=subjects.tokens(GATEWAY_ID, request_id), **slos)
+                                reply_subject=subjects.tokens(GATEWAY_ID, request_id), **fields)
         await call(self.broker, subjects.worker_generate(inst.entry_worker), req, m.GenerateAccepted, timeout=10)
 
     async def tokens(self, request_id: str, n: int, timeout: float = 30) -> None:
@@ -106,6 +106,17 @@ async def _scenario(state, nats_url: str) -> dict:
         assert all(_admitted(worker, x.model) > 0 for x in (big, small)), "no validated admission on the shared worker"
         await asyncio.sleep(4.0)
 
+        # Fig. 6 case 1 on the idle node: a TTFT SLO no prefill meets is refused, unless the
+        # request has already waited past it at the gateway (then only case 2 or 3 could refuse).
+        impossible = dict(ttft_slo_s=1e-4, tpot_slo_s=10.0)
+        try:
+            await gw.generate(big, "fresh-late", 1, **impossible)
+            fresh = "admitted"
+        except RemoteError as e:
+            fresh = e.code
+        await gw.generate(big, "overdue", 1, queued_s=1.0, **impossible)
+        await gw.tokens("overdue", 1)
+
         profiles = {}
         for name in ("big", "small"):
             stored = await call(gw.broker, subjects.REGISTRY_PROFILE_GET, m.ProfileRef(model=name, device="cpu"),
@@ -135,7 +146,7 @@ async def _scenario(state, nats_url: str) -> dict:
         small_events = list(gw.events.get("small-1", []))
         for inst, rid in ((small, "small-1"), (big, "big-1"), (big, "big-2"), (big, "big-3")):
             await gw.cancel(inst, rid)
-        return {"outcome": outcome, "small": small_events, "tpot": tpot}
+        return {"outcome": outcome, "small": small_events, "tpot": tpot, "fresh": fresh}
     finally:
         await gw.broker.stop()
 
@@ -164,6 +175,7 @@ def test_a_larger_instance_preempts_a_smaller_neighbour_that_can_go_on_elsewhere
         finally:
             stop_processes(state.processes)
     small = got["small"]
+    assert got["fresh"] == "busy", got  # the overdue one was admitted (it raised otherwise)
     if preemption:
         assert got["outcome"] == "admitted", got
         [moved] = [e for e in small if e.error is not None]

@@ -16,7 +16,7 @@ from libs.protocol import messages as m
 from libs.protocol import subjects
 from services.gateway import service as gateway
 from services.gateway.errors import APIError
-from services.gateway.routing import ModelRoutes
+from services.gateway.routing import REFUSAL_HOLD_S, ModelRoutes
 from services.gateway.service import GatewayConfig, GatewayService, ModelEntry
 
 # --- routing order --------------------------------------------------------------------------------
@@ -226,6 +226,18 @@ async def test_busy_refusals_are_not_failures_the_request_waits_and_retries(gate
     routes.add("only", "w1")
     route = await gw.dispatch(_entry(routes), "r2", [1, 2, 3], m.SamplingSpec(max_tokens=4))
     assert route.instance_id == "only" and len(workers.received) == 5 and route.in_flight == 1
+
+
+async def test_each_attempt_tells_the_worker_how_long_the_request_has_waited_so_far(gateway_and_workers):
+    """The retries after refusals carry a growing queued_s (a worker stops refusing a request for
+    its own lateness once that passes its TTFT SLO): at least a refusal's hold apart."""
+    gw, workers = await gateway_and_workers("mesh", {"w1": 2})
+    routes = ModelRoutes("busy-waited", max_queue=4, slots_per_instance=4, sharing="mesh")
+    routes.add("only", "w1")
+    await gw.dispatch(_entry(routes), "r5", [1, 2, 3], m.SamplingSpec(max_tokens=4))
+    waited = [r.queued_s for _, r in workers.received]
+    assert len(waited) == 3 and waited[0] < REFUSAL_HOLD_S
+    assert all(b - a >= REFUSAL_HOLD_S * 0.9 for a, b in zip(waited, waited[1:])), waited
 
 
 async def test_a_request_refused_everywhere_times_out_with_a_503_and_the_route_stays(gateway_and_workers):

@@ -221,6 +221,19 @@ def test_case_1_the_new_requests_prefill_would_end_too_late():
     assert (v.ok, v.case) == (False, "new_prefill_late")
 
 
+def test_a_request_overdue_already_is_refused_only_to_keep_the_others_on_time():
+    # It waited past its TTFT SLO at the gateway: no node can make it compliant, so case 1 would
+    # only keep it waiting (until it timed out); on an idle node it joins, beside a running
+    # request it is still refused, since its 30 s prefill would make that one late (case 2).
+    idle, _ = node_with(0, prefill_per_token=0.01)
+    running, _ = node_with(1, prefill_per_token=0.01)
+    new = RunningRequest("new", start=1.0, prompt_len=3000, ttft_slo_s=2.0)
+    assert shadow_validate(idle, idle[1], new, now=1.0).case == "new_prefill_late"
+    assert shadow_validate(idle, idle[1], new, now=1.0, overdue=True).ok
+    v = shadow_validate(running, running[1], new, now=1.0, overdue=True)
+    assert (v.ok, v.case) == (False, "existing_late"), v
+
+
 def test_case_2_an_existing_request_would_be_pushed_past_its_deadline():
     # The old request's next token is due in 0.45 s; the new one joins its instance with a 1 s
     # prefill, which that instance's next step computes too: the old token comes 1.1 s late.
