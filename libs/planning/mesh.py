@@ -489,11 +489,11 @@ class ResizeCost:
         estimate = self.seconds(copied_slots)
         if estimate <= 0:
             return ResizeCost(seconds, self.per_slot_s)
-        # Shares, not a ratio seconds / estimate: that overflows for a (subnormal) tiny estimate.
         pulled = estimate + rate * (seconds - estimate)
-        fixed = pulled * (self.fixed_s / estimate)
         if copied_slots <= 0:  # the estimate was all fixed cost: the per-slot term keeps its value
             return ResizeCost(pulled, self.per_slot_s)
+        # By shares, not by the ratio seconds / estimate (it overflows for a subnormal estimate).
+        fixed = pulled * (self.fixed_s / estimate)
         return ResizeCost(fixed, max(0.0, pulled - fixed) / copied_slots)
 
 

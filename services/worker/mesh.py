@@ -21,7 +21,7 @@ validation. The decisions are libs/planning/mesh.py's; this carries them out.
   watermark's early scale-up, else the compromise to the requirement, against the budget; a
   resize copies, so it is charged old + new while it runs); else "busy". A growth holds the
   engine thread while it copies: shadow validation counts it (`growth_stall`, its cost learned
-  from the resizes measured here), so it cannot push another model's token late. When a request ends
+  from the resizes measured here; a shrink's copy is not counted yet). When a request ends
   the cache shrinks lazily (the watermark rule). One KV change per instance at a time. No
   eviction: §6.4's last resort (evict and reschedule the request with the longest headroom)
   is not done, since a request never joins without its KV.
