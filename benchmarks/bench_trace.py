@@ -35,7 +35,7 @@ import textwrap
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -195,6 +195,7 @@ class Outcome:
     finish_reason: str | None = None
     done_s: float | None = None
     error: str | None = None
+    chunk_s: list[float] = field(default_factory=list)  # each streamed chunk's arrival, seconds after sending
 
 
 async def send_one(client: httpx.AsyncClient, url: str, api_key: str, model: str, ids: list[int], max_tokens: int,
@@ -230,6 +231,7 @@ async def send_one(client: httpx.AsyncClient, url: str, api_key: str, model: str
                     t_first = t_first if t_first is not None else now
                     t_last = now
                     out.chunks += 1
+                    out.chunk_s.append(now - t_sent)
                     out.finish_reason = ev["choices"][0].get("finish_reason") or out.finish_reason
                 if ev.get("usage"):
                     out.tokens = int(ev["usage"]["completion_tokens"])

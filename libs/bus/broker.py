@@ -38,6 +38,11 @@ class RemoteError(RuntimeError):
         self.error = reply.error
 
 
+class NoResponders(TimeoutError):
+    """An RPC found nobody subscribed (past the start-up grace): the service is gone, not slow.
+    A plain TimeoutError is the other case: someone may have the request and answer late."""
+
+
 class DomainError(Exception):
     """Raised by a handler to answer an RPC with a clean ErrorReply."""
 
@@ -128,7 +133,8 @@ def on_event(model: type[M]) -> Callable[[Callable[[M], Awaitable[None]]], Calla
 
 
 async def call(broker: NatsBroker, subject: str, request: BaseModel, reply_model: type[R], timeout: float = 5.0) -> R:
-    """Typed request/reply; raises RemoteError on an ErrorReply, TimeoutError when nobody answers.
+    """Typed request/reply; raises RemoteError on an ErrorReply, TimeoutError when no answer came
+    in time (NoResponders, one, when nobody is subscribed).
 
     "No responders" is retried for a moment (NO_RESPONDER_GRACE_S): a service that has just
     started can have its subscription still on the way to the server. Past that, a missing
@@ -147,7 +153,9 @@ async def call(broker: NatsBroker, subject: str, request: BaseModel, reply_model
             if name == "NoRespondersError" and loop.time() + 0.05 < grace_until:
                 await asyncio.sleep(0.05)
                 continue
-            if name in ("TimeoutError", "NoRespondersError"):
+            if name == "NoRespondersError":
+                raise NoResponders(f"nobody answers on {subject}") from e
+            if name == "TimeoutError":
                 raise TimeoutError(f"no answer on {subject} within {timeout}s") from e
             raise
     return parse_reply(subject, await response.decode(), reply_model)

@@ -18,6 +18,19 @@ class Candidate:
     worker_id: str
     running_requests: int = 0
     instances: int = 0  # instances of any model on the worker
+    saturated: bool = False  # it refused requests as busy lately (sharing=mesh; see `saturated_workers`)
+
+
+# How long a worker counts as saturated after its last "busy" refusal: a few of its reports, so
+# a worker the gateway stopped asking (its refused routes wait) is not taken for free at once.
+SATURATION_MEMORY_S = 5.0
+
+
+def saturated_workers(last_refusal: Mapping[str, float], now: float,
+                      memory_s: float = SATURATION_MEMORY_S) -> frozenset[str]:
+    """The workers that refused a request as busy (LLM-Mesh shadow validation, or no memory for
+    its KV) within `memory_s` before `now`: what runs there leaves no room for more."""
+    return frozenset(w for w, t in last_refusal.items() if now - t <= memory_s)
 
 
 @dataclass(frozen=True)
@@ -56,14 +69,20 @@ def full_copies(block_ids: Collection[int], held: Iterable[Held], workers: Itera
 
 
 def pick_targets(block_bytes: Mapping[int, int], candidates: Iterable[Candidate], held: Iterable[Held],
-                 n: int) -> list[str]:
+                 n: int, *, first: bool = False) -> list[str]:
     """Up to `n` distinct workers for new instances: most bytes in the nearest
     tier first (lexicographic over tiers), then the least busy, then by id so
-    the choice is deterministic."""
+    the choice is deterministic.
+
+    A saturated worker gets a model's first instance only (`first`: it has none live, and an
+    instance anywhere is what lets its requests in as room frees), and only after every other:
+    more instances there add no capacity (LLM-Mesh §5.3 creates one only on a node that passes
+    validation) and their loads take the compute its requests are refused for."""
     held = list(held)
+    candidates = [c for c in candidates if first or not c.saturated]
     ranked = sorted(
         candidates,
-        key=lambda c: (tuple(-b for b in locality(block_bytes, held, c.worker_id)), c.instances,
+        key=lambda c: (c.saturated, tuple(-b for b in locality(block_bytes, held, c.worker_id)), c.instances,
                        c.running_requests, c.worker_id),
     )
     return [c.worker_id for c in ranked[: max(0, n)]]

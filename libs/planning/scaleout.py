@@ -26,7 +26,7 @@ block); :data:`MULTICAST_ALGORITHMS` names each schedule and its time bound.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from libs.planning.multicast import (
@@ -271,7 +271,8 @@ def target_load(mode: str, worker_id: str, block_start: int, block_end: int, rec
 
 @dataclass(frozen=True)
 class ScalePlan:
-    """A scale-out. No `loads`: more instances are wanted but no worker is free."""
+    """A scale-out. No `loads`: more instances are wanted but no worker is free (or only
+    `held_back` ones)."""
 
     model: m.ModelInfo
     from_instances: int
@@ -284,6 +285,7 @@ class ScalePlan:
     # Alg. 2's groups of receivers that may serve as execution pipelines while the blocks arrive
     pipelines: tuple[tuple[str, ...], ...] = ()
     prediction: Mapping[str, float | None] = field(default_factory=dict)  # see predicted()
+    held_back: tuple[str, ...] = ()  # free workers passed over as saturated (see pick_targets)
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -330,9 +332,11 @@ class ScaleIn:
         return {"kind": "drain", "victims": sorted(i.instance_id for i in self.victims)}
 
 
-def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest,
-                   load: Mapping[str, int] | None = None) -> ScalePlan | None:
-    """The scale-out `request` needs (None: it needs none). `load`: worker -> running requests."""
+def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[str, int] | None = None,
+                   saturated: Collection[str] = ()) -> ScalePlan | None:
+    """The scale-out `request` needs (None: it needs none). `load`: worker -> running requests;
+    `saturated`: workers refusing requests as busy (:func:`saturated_workers`; see
+    :func:`pick_targets`)."""
     load = load or {}
     model = find_model(view, request.model)
     live = live_instances(view, request.model)
@@ -342,12 +346,13 @@ def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest,
     busy = {s.worker_id for i in live for s in i.stages}
     per_worker = Counter(s.worker_id for i in view.instances for s in i.stages)
     alive = alive_workers(view)
-    candidates = [Candidate(w, load.get(w, 0), per_worker[w]) for w in alive if w not in busy]
+    candidates = [Candidate(w, load.get(w, 0), per_worker[w], w in saturated) for w in alive if w not in busy]
     held = held_blocks(view, model.name)
     block_bytes = {b.block_id: b.nbytes for b in model.blocks}
-    targets = pick_targets(block_bytes, candidates, held, desired - len(live))
+    targets = pick_targets(block_bytes, candidates, held, desired - len(live), first=not live)
+    held_back = tuple(c.worker_id for c in candidates if c.saturated and c.worker_id not in targets)
     if not targets:
-        return ScalePlan(model, len(live), desired, ())
+        return ScalePlan(model, len(live), desired, (), held_back=held_back)
     # Workers holding a whole copy in host memory send it (the data plane sends from the host
     # tier); a target that holds one itself loads it locally, and sends too: its link is idle
     # (the parameter pool keeps its copy off the serving workers for this: one more source).
@@ -370,7 +375,7 @@ def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest,
                               receives=multicast is not None and w in receivers, in_pipeline=w in in_pipeline)
                   for w in targets)
     return ScalePlan(model, len(live), desired, loads, tuple(sources), tuple(receivers), multicast, link_gbps,
-                     pipelines, prediction)
+                     pipelines, prediction, held_back)
 
 
 def plan_scale_in(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[str, int] | None = None, *,
@@ -391,9 +396,10 @@ def plan_scale_in(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[st
 
 
 def decide(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[str, int] | None = None, *,
+           saturated: Collection[str] = (),
            host_keep_alive_s: float = SERVERLESSLLM_KEEP_ALIVE_S) -> ScalePlan | ScaleIn | None:
     """What reconciling `request` against the view takes; None: the model is already there."""
-    out = plan_scale_out(view, request, load)
+    out = plan_scale_out(view, request, load, saturated)
     if out is not None:
         return out
     return plan_scale_in(view, request, load, host_keep_alive_s=host_keep_alive_s)

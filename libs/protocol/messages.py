@@ -620,6 +620,10 @@ class GenerateRequest(Message):
     # its TTFT SLO it cannot be on time anywhere: a mesh worker then refuses it only to keep the
     # other requests on time, not for its own lateness.
     queued_s: float = Field(default=0.0, ge=0)
+    # This hand-off's id among the request's attempts (the gateway numbers them): a CancelRequest
+    # naming it stops exactly this attempt, even one whose generate reaches the worker after
+    # the cancel (the gateway gave up waiting for its answer and tried elsewhere).
+    attempt: int = Field(default=0, ge=0)
 
 
 class GenerateAccepted(Message):
@@ -632,6 +636,9 @@ class CancelRequest(Message):
     # The instance it ran on (a hand-over may move it to another instance of the same worker);
     # None: wherever it runs on this worker.
     instance_id: str | None = None
+    # GenerateRequest.attempt: cancel that attempt only, and refuse its generate if it has not
+    # come yet. None: whichever attempt runs here.
+    attempt: int | None = Field(default=None, ge=0)
 
 
 class TokenEvent(Message):
@@ -682,6 +689,9 @@ class WorkerMetrics(Message):
     running_requests: int = 0
     tokens_per_s: float = 0.0
     instances: list[str] = []
+    # Requests it refused as busy since its last report (sharing=mesh: shadow validation, or no
+    # memory for their KV); the planner puts no more instances on a worker that refuses.
+    busy_refusals: int = Field(0, ge=0)
 
 
 class ScaleRequest(Message):

@@ -2,6 +2,7 @@
 streams back. The HTTP layer (app.py) only translates to and from OpenAI JSON."""
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -19,7 +20,7 @@ from transformers import AutoTokenizer
 from libs.checkpoint import CheckpointIndex
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from libs.bus.broker import RemoteError, call, on_event, publish
+from libs.bus.broker import NoResponders, RemoteError, call, on_event, publish
 from libs.telemetry import tracer
 from services.common.runner import EndedInstances, Service
 from services.gateway.errors import APIError
@@ -52,6 +53,10 @@ GENERATED = Counter("layercast_gateway_completion_tokens_total", "Completion tok
 BUSY_REFUSALS = Counter("layercast_gateway_busy_refusals_total",
                         "Requests a shared worker refused as busy (taking them would break an SLO); "
                         "each went to another instance or waited", ["model"])
+UNANSWERED = Counter("layercast_gateway_unanswered_dispatches_total",
+                     "Requests a worker did not accept or refuse in time (overloaded, or hung); that "
+                     "attempt was cancelled there and the request went to another instance or waited",
+                     ["model"])
 
 
 @dataclass
@@ -81,6 +86,9 @@ class GatewayConfig:
     queue_timeout_s: float = 120.0
     first_token_timeout_s: float = 120.0
     token_timeout_s: float = 60.0
+    # A worker that neither takes nor refuses a request within this is passed over (that attempt
+    # cancelled there); the request waits on within queue_timeout_s.
+    dispatch_timeout_s: float = 5.0
     slots_per_instance: int = 32
     max_context: int = 2048
     default_max_tokens: int = 1024
@@ -275,6 +283,7 @@ class GatewayService(Service):
         self.ended = EndedInstances()
         self._adding: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._demand = asyncio.Event()
+        self._attempts = itertools.count()  # GenerateRequest.attempt: unique per hand-off
         self._tokenizing = ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="tokenize")
         self._subscribe()
 
@@ -487,7 +496,11 @@ class GatewayService(Service):
 
         A worker that fails it loses its route (three failures: 503). One that refuses it as
         "busy" (sharing=mesh: it would break an SLO there) keeps it, full for now: the request
-        tries the next instance or waits, within the same queue_timeout_s."""
+        tries the next instance or waits, within the same queue_timeout_s. One that does not
+        answer in time (overloaded, or hung) loses its route until the next sync and has that
+        attempt cancelled, since it may still take it late; one whose instance is stopping loses
+        the route too. In both cases the request tries elsewhere within the same wait: neither
+        is proof that the request cannot be served."""
         self._demand.set()
         model = entry.info.name
         failures, refused = 0, False
@@ -504,15 +517,15 @@ class GatewayService(Service):
                                     generated_ids=list(generated_ids), choices=dict(choices or {}),
                                     reply_subject=subjects.tokens(self.config.gateway_id, request_id),
                                     ttft_slo_s=entry.info.ttft_slo_s, tpot_slo_s=entry.info.tpot_slo_s,
-                                    queued_s=time.monotonic() - arrived)
+                                    queued_s=time.monotonic() - arrived, attempt=next(self._attempts))
             try:
-                await call(self.broker, subjects.worker_generate(route.worker_id), req, m.GenerateAccepted)
+                await call(self.broker, subjects.worker_generate(route.worker_id), req, m.GenerateAccepted,
+                           timeout=self.config.dispatch_timeout_s)
             except asyncio.CancelledError:
                 # The caller gave up mid-RPC (its client went away): give the slot back, and cancel
                 # on the worker, which may have taken the request. Spawned: this task is cancelled.
                 entry.routes.release(route, sampling.n)
-                self.spawn(publish(self.broker, subjects.worker_cancel(route.worker_id),
-                                   m.CancelRequest(request_id=request_id, instance_id=route.instance_id)))
+                self._cancel_attempt(route, req)
                 raise
             except (TimeoutError, RemoteError) as e:
                 if isinstance(e, RemoteError) and e.code == "busy":
@@ -520,6 +533,16 @@ class GatewayService(Service):
                     BUSY_REFUSALS.labels(model).inc()
                     log.debug("instance %s refused request %s as busy: %s", route.instance_id, request_id, e.error)
                     refused = True
+                    continue
+                unanswered = isinstance(e, TimeoutError) and not isinstance(e, NoResponders)
+                if unanswered or (isinstance(e, RemoteError) and e.code == "unavailable"):
+                    # Its worker is slow, or the instance is stopping (the planner drains it): the
+                    # route goes, the request's wait goes on; neither is the request's failure.
+                    if unanswered:
+                        self._cancel_attempt(route, req)
+                        UNANSWERED.labels(model).inc()
+                    self._dispatch_failed(entry, route, sampling.n, e)
+                    refused = True  # admitted already: it waits at the head, never a 429
                     continue
                 self._dispatch_failed(entry, route, sampling.n, e)
                 failures, refused = failures + 1, False
@@ -530,6 +553,13 @@ class GatewayService(Service):
                 span.set_attribute("layercast.worker", route.worker_id)
                 return route
         raise APIError(503, "no instance accepted the request", code="model_unavailable", retry_after=1)
+
+    def _cancel_attempt(self, route: Route, req: m.GenerateRequest) -> None:
+        """Cancel one hand-off on its worker, which may have taken it or may yet (spawned: the
+        caller may be a task being cancelled)."""
+        self.spawn(publish(self.broker, subjects.worker_cancel(route.worker_id),
+                           m.CancelRequest(request_id=req.request_id, instance_id=route.instance_id,
+                                           attempt=req.attempt)))
 
     def _dispatch_failed(self, entry: ModelEntry, route: Route, weight: int, e: Exception) -> None:
         """Its worker did not take the request: a 400 if the request is at fault, else drop the route."""

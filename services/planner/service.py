@@ -21,6 +21,7 @@ from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
 from libs.planning.pipelines import FormedPipeline, pipelines_to_form, pipelines_to_retire
+from libs.planning.placement import saturated_workers
 from libs.planning.pool import PoolFill, plan_pool_fills
 from libs.planning.scaleout import (
     SERVERLESSLLM_KEEP_ALIVE_S,
@@ -48,6 +49,11 @@ SCALE_DURATION = Histogram("layercast_planner_scale_operation_duration_seconds",
                            "Scale decision (load-monitor) to the operation's end: every target ready or failed",
                            ["model", "direction"], buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300))
 OPEN_OPS = Gauge("layercast_planner_open_scale_operations", "Scale-ups waiting for their instances")
+BUSY_REPORTS = Counter("layercast_planner_busy_worker_reports_total",
+                       "Worker reports of requests refused as busy (the worker takes no new instance for a while)",
+                       ["worker"])
+HELD_BACK = Counter("layercast_planner_scale_ups_held_back_total",
+                    "Scale-ups not started: every worker without the model refuses requests as busy", ["model"])
 
 TRANSFER_STALL_S = 15.0  # a receiver that gets no byte for this long fails its part (then loads from disk)
 COMMAND_TIMEOUT_S = 5.0  # a worker that has not answered a command by then has failed it
@@ -97,6 +103,7 @@ class PlannerService(Service):
         self._op_spans: dict[str, trace.Span] = {}  # scale_op_id -> its span, ended with the op
         self._waiting: dict[str, str] = {}  # instance_id -> scale_op_id
         self._load: dict[str, int] = {}  # worker_id -> running requests (worker metrics)
+        self._last_refusal: dict[str, float] = {}  # worker_id -> when it last reported busy refusals (monotonic)
         self._pool_fills: dict[tuple[str, str], float] = {}  # (model, worker) -> when a fill was sent
         self._watches: dict[str, _PipelineWatch] = {}  # scale_op_id -> its execution pipelines
         # Pipelines in their mode switch: their entry finishes its step, then their stages stop.
@@ -113,7 +120,13 @@ class PlannerService(Service):
         async with self._locks[req.model]:
             view = await self.views.get()
             viewed = time.time()
-            decision = decide(view, req, self._load, host_keep_alive_s=self.serverlessllm_keep_alive_s)
+            decision = decide(view, req, self._load, saturated=saturated_workers(self._last_refusal, time.monotonic()),
+                              host_keep_alive_s=self.serverlessllm_keep_alive_s)
+            if isinstance(decision, ScalePlan) and not decision.loads and decision.held_back:
+                log.info("scale-up of %s to %d waits: %s refuse requests as busy (no room for another instance)",
+                         req.model, decision.desired, ",".join(decision.held_back))
+                HELD_BACK.labels(req.model).inc()
+                return None
             if isinstance(decision, ScalePlan):
                 operation = self._scale_up(decision, view, req, {"received": received, "viewed": viewed})
             elif isinstance(decision, ScaleIn):
@@ -599,6 +612,7 @@ class PlannerService(Service):
         async def worker_expired(ev: m.WorkerExpired) -> None:
             self.views.mark_stale()
             self._load.pop(ev.worker_id, None)
+            self._last_refusal.pop(ev.worker_id, None)
             await self._worker_lost(ev.worker_id)
             await self.check_pool()
 
@@ -625,3 +639,6 @@ class PlannerService(Service):
         @on_event(m.WorkerMetrics)
         async def worker_metrics(ev: m.WorkerMetrics) -> None:
             self._load[ev.worker_id] = ev.running_requests
+            if ev.busy_refusals:
+                self._last_refusal[ev.worker_id] = time.monotonic()
+                BUSY_REPORTS.labels(ev.worker_id).inc()

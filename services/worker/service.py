@@ -194,6 +194,32 @@ class _Request:
     sent: int = 0
     admitted: Admitted | None = None  # sharing=mesh: its SLO clock, for shadow validation
     submitted: bool = False  # handed to the engine (sharing=mesh: its KV may be there, a resize copies it)
+    attempt: int = 0  # GenerateRequest.attempt
+
+
+class CancelledAttempts:
+    """Attempts cancelled before their generate came (the gateway stopped waiting for the answer,
+    the request went elsewhere): their generate, should it come yet, is refused. Each is kept
+    `ttl_s`, far longer than a generate waits in a starved worker's inbox."""
+
+    def __init__(self, ttl_s: float = 120.0):
+        self.ttl_s = ttl_s
+        self._until: dict[tuple[str, int], float] = {}  # in insertion order: oldest first
+
+    def add(self, request_id: str, attempt: int, now: float) -> None:
+        while self._until:  # the oldest first: stop at the first still kept
+            key, until = next(iter(self._until.items()))
+            if until > now:
+                break
+            del self._until[key]
+        self._until[(request_id, attempt)] = now + self.ttl_s
+
+    def take(self, request_id: str, attempt: int) -> bool:
+        """Whether this attempt was cancelled (forgotten once asked: an attempt comes once)."""
+        return self._until.pop((request_id, attempt), None) is not None
+
+    def __len__(self) -> int:
+        return len(self._until)
 
 
 class WorkerService(Service):
@@ -213,6 +239,7 @@ class WorkerService(Service):
         self.bandwidths_gbps: dict[str, float] = {}
         self.instances: dict[str, Instance] = {}
         self.requests: dict[str, _Request] = {}
+        self.cancelled_attempts = CancelledAttempts()
         self.runtime: EngineRuntime | None = None
         self.transport: Transport | None = None
         self.transfers: TransferAgent | None = None
@@ -226,6 +253,7 @@ class WorkerService(Service):
         self._kept: set[tuple[str, int]] = set()  # pinned by FetchBlocks (the parameter pool)
         self._plan_parts = None  # the JetStream subscription for scale-operation parts
         self._tokens_since = 0
+        self._busy_refusals = 0  # since the last WorkerMetrics
         self.loading = InstanceLoading(self)
         self.pipelines = PipelineStages(self)
         # One handler per member of m.WorkerCommand.
@@ -354,9 +382,16 @@ class WorkerService(Service):
         now = time.monotonic()
         tps = self._tokens_since / max(now - self._last_beat, 1e-6)
         self._tokens_since, self._last_beat = 0, now
+        refusals, self._busy_refusals = self._busy_refusals, 0
         await publish(self.broker, subjects.METRICS_WORKER, m.WorkerMetrics(
             worker_id=self.config.worker_id, running_requests=running, tokens_per_s=tps,
-            instances=list(self.instances)))
+            instances=list(self.instances), busy_refusals=refusals))
+
+    def _busy(self, why: str) -> DomainError:
+        """A "busy" answer (sharing=mesh: no room within the SLOs or memory now), counted for the
+        next WorkerMetrics: the planner puts no new instance on a worker that refuses."""
+        self._busy_refusals += 1
+        return DomainError(why, code="busy")
 
     # --- blocks and instances -------------------------------------------------------------------------
     async def _block_event(self, model: str, block_id: int, tier: m.Tier, state: m.ReplicaState,
@@ -575,6 +610,10 @@ class WorkerService(Service):
                                   f"{inst.info.max_batch}")
             if s.n > 1 and req.generated_ids:
                 raise DomainError("an n > 1 request resumes with `choices`, not generated_ids")
+            # After the last await before registration: a cancel that came during one is seen here
+            # (one that comes after finds the request registered under this attempt).
+            if self.cancelled_attempts.take(req.request_id, req.attempt):
+                raise DomainError(f"attempt {req.attempt} of request {req.request_id} was cancelled", code="conflict")
             # The choices to run, and the index of each one's next token.
             choices = req.choices or ({0: req.generated_ids} if s.n == 1 else {c: [] for c in range(s.n)})
             admitted = None
@@ -587,7 +626,7 @@ class WorkerService(Service):
                                           overdue=req.queued_s > slo.ttft_s)
                 if not verdict.ok:
                     v = verdict.validation
-                    raise DomainError(f"{wid} cannot take it within its SLOs now ({v.case}: {v.detail})", code="busy")
+                    raise self._busy(f"{wid} cannot take it within its SLOs now ({v.case}: {v.detail})")
                 for victim in verdict.preempt:
                     self._preempt(victim, by=req.instance_id)
                 resumed = bool(req.generated_ids) or any(req.choices.values())
@@ -600,7 +639,8 @@ class WorkerService(Service):
             if (old := self.requests.get(req.request_id)) is not None:
                 old.span.end()  # handed over from another instance here: that run is over
             registered = _Request(req.instance_id, req.model, inst.info.mode, req.reply_subject, span,
-                                  next_index={c: len(ids) for c, ids in choices.items()}, admitted=admitted)
+                                  next_index={c: len(ids) for c, ids in choices.items()}, admitted=admitted,
+                                  attempt=req.attempt)
             self.requests[req.request_id] = registered
             if self.mesh is not None and not await self.mesh.fit_kv(inst):
                 # Validated and registered, but its KV cannot be granted now (§6.4): busy, as a
@@ -609,8 +649,10 @@ class WorkerService(Service):
                     del self.requests[req.request_id]
                 span.set_attribute("layercast.kv_refused", True)
                 span.end()
-                raise DomainError(f"{wid} has no memory for the KV of another request on {req.instance_id} now",
-                                  code="busy")
+                raise self._busy(f"{wid} has no memory for the KV of another request on {req.instance_id} now")
+            if self.requests.get(req.request_id) is not registered:  # cancelled while its KV grew
+                span.end()
+                raise DomainError(f"request {req.request_id} was cancelled", code="conflict")
             registered.submitted = True
             self.runtime.submit(req.instance_id, req.request_id, req.prompt_ids, params, req.generated_ids,
                                 req.choices or None,
@@ -633,6 +675,10 @@ class WorkerService(Service):
         @on_event(m.CancelRequest)
         async def cancel(ev: m.CancelRequest) -> None:
             req = self.requests.get(ev.request_id)
+            if ev.attempt is not None and (req is None or req.attempt != ev.attempt):
+                # Not here, or not this attempt: its generate may still be on the way (refused then).
+                self.cancelled_attempts.add(ev.request_id, ev.attempt, time.monotonic())
+                return
             if ev.instance_id is not None and req is not None and req.instance_id != ev.instance_id:
                 # A hand-over within this worker: the request runs on another instance now.
                 self.runtime.cancel(ev.instance_id, ev.request_id)

@@ -15,9 +15,9 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-KEYS = {"sharing", "slo_compliant_requests", "requests", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
-        "models_served", "instance_seconds", "preemptions", "kv_resizes", "reservation_waits", "ooms", "lost",
-        "failure_reasons", "unavailable"}
+KEYS = {"sharing", "slo_compliant_requests", "slo_compliant_mean_tpot", "slo_misses", "requests", "ttft_p50",
+        "ttft_p99", "tpot_p50", "tpot_p99", "models_served", "instance_seconds", "preemptions", "kv_resizes",
+        "reservation_waits", "ooms", "lost", "failure_reasons", "unavailable"}
 
 
 def _trace(tmp_path: Path) -> str:
@@ -63,7 +63,10 @@ def test_bench_mesh_tiny(tmp_path):
         assert r["lost"] == 0, r["failure_reasons"]
         assert r["ooms"] == 0
         assert r["workers_dead"] == []
-        assert 0 <= r["slo_compliant_requests"] <= n
+        assert 0 <= r["slo_compliant_requests"] <= n and 0 <= r["slo_compliant_mean_tpot"] <= n
+        # every answered request that missed is counted once by what it missed first
+        assert r["slo_misses"]["first_token"] + r["slo_misses"]["later_token"] == (
+            n - r["lost"] - r["slo_compliant_requests"])
         assert r["ttft_p50"] <= r["ttft_p99"] and r["tpot_p50"] <= r["tpot_p99"]
         assert 1 <= r["models_served"] <= 2
         assert r["instance_seconds"] > 0

@@ -95,11 +95,22 @@ def slos(bursty_step) -> dict[str, tuple[float, float]]:
     return {"steady": (bursty_step / 2, bursty_step / 16), "bursty": (bursty_step / 2, 2 * bursty_step)}
 
 
-def _refreshes(state, model: str) -> float:
-    [worker] = [p for p in state.processes if p.name.startswith("worker")]
-    text = httpx.get(worker.health_url.replace("/health", "/metrics"), timeout=10).text
+def _metric(state, process: str, name: str, **labels: str) -> float:
+    """The sum of a counter's samples on one of the cluster's processes (those with all `labels`)."""
+    [p] = [p for p in state.processes if p.name.startswith(process)]
+    text = httpx.get(p.health_url.replace("/health", "/metrics"), timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("layercast_worker_mesh_profile_refreshes_total{") and f'model="{model}"' in line)
+               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
+
+
+def _refreshes(state, model: str) -> float:
+    return _metric(state, "worker", "layercast_worker_mesh_profile_refreshes_total", model=model)
+
+
+def _busy_refusals(state) -> float:
+    """Requests the worker refused as busy: every verdict but an admission."""
+    return sum(_metric(state, "worker", "layercast_worker_mesh_admissions_total", verdict=v)
+               for v in ("new_prefill_late", "existing_late", "node_tpot_exceeded"))
 
 
 @contextmanager
@@ -189,6 +200,15 @@ def test_a_burst_of_one_model_does_not_make_the_other_late_while_shadow_validati
         lateness, ends = _steady_lateness(client, steady_prompt, ttft, tpot)
         if not validation:  # the live steps refreshed both profiles (every 2 s here) while they served
             wait_for(lambda: all(_refreshes(state, name) > 0 for name in checkpoints), 10, "live profile refreshes")
+        refused = _busy_refusals(state)
+        # The worker's refusals reach the planner (its next report), which then puts no new
+        # instance on it for a while.
+        if refused:
+            wait_for(lambda: _metric(state, "planner", "layercast_planner_busy_worker_reports_total") > 0, 10,
+                     "the planner to hear of the worker's refusals")
+        else:
+            assert _metric(state, "planner", "layercast_planner_busy_worker_reports_total") == 0
+    assert (refused > 0) == validation, f"{refused} requests refused as busy"
     assert len(lateness) >= STEADY_TOKENS
     assert len(ends) == BURST and all(e in ("length", "stop") for e in ends)  # every bursty request served
     worst, step = max(lateness), bursty_step

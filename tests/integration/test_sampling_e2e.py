@@ -4,6 +4,8 @@ completions' legacy logprobs), streamed and not, checked against the engine over
 checkpoint (for the token ids a seeded or penalized request must produce) and Hugging Face
 (for the logprob values: the log-softmax of the model's logits)."""
 
+import asyncio
+import uuid
 from pathlib import Path
 
 import httpx
@@ -12,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from libs.bus.broker import RemoteError, call, make_broker, on_event, start_broker
 from libs.engine import Engine, SamplingParams
 from libs.protocol import messages as m
 from libs.protocol import subjects
@@ -280,3 +283,62 @@ def test_a_handed_over_n_request_resumes_its_unfinished_choices(cluster):
     assert tokens[:4] + [e.token_id for e in resumed if e.choice == 0] == tokens
     assert [e.token_id for e in resumed if e.choice == 2] == tokens
     assert [e.finished for e in resumed].count(True) == 2
+
+
+def test_a_cancelled_attempt_is_refused_when_its_generate_comes_late_and_no_other_attempt_is_cancelled(cluster):
+    """The gateway cancels an attempt it stopped waiting for (an overloaded worker may take it
+    late): the worker refuses that attempt's generate when it comes after the cancel, and a
+    cancel naming one attempt leaves another attempt of the same request running."""
+    admin = httpx.Client(base_url=cluster.gateway_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    (inst,) = [i for i in admin.get("/admin/v1/cluster").json()["instances"]
+               if i["model"] == "tiny" and i["state"] == "ready"]
+    worker, request_id = inst["stages"][0]["worker_id"], f"late-{uuid.uuid4().hex[:8]}"
+    reply = f"{subjects.PREFIX}.test.tokens.{request_id}"
+
+    async def run() -> tuple[str, list[m.TokenEvent]]:
+        broker = make_broker(cluster.nats_url)
+        events: list[m.TokenEvent] = []
+        done = asyncio.Event()
+
+        @broker.subscriber(reply)
+        @on_event(m.TokenEvent)
+        async def token(ev: m.TokenEvent) -> None:
+            events.append(ev)
+            if ev.finished:
+                done.set()
+
+        def cancel(attempt: int):
+            return broker.publish(m.CancelRequest(request_id=request_id, instance_id=inst["instance_id"],
+                                                  attempt=attempt).model_dump(mode="json"),
+                                  subjects.worker_cancel(worker))
+
+        def generate(attempt: int):
+            req = m.GenerateRequest(request_id=request_id, instance_id=inst["instance_id"], model="tiny",
+                                    prompt_ids=PROMPT, reply_subject=reply, attempt=attempt,
+                                    sampling=m.SamplingSpec(temperature=0, max_tokens=40, stop_token_ids=[]))
+            return call(broker, subjects.worker_generate(worker), req, m.GenerateAccepted)
+
+        await start_broker(broker)
+        try:
+            await cancel(0)
+            await asyncio.sleep(0.5)  # the cancel is there first
+            try:
+                await generate(0)
+                refused = "accepted"
+            except RemoteError as e:
+                refused = e.code
+            await generate(1)
+            for _ in range(3000):
+                if sum(e.token_id is not None for e in events) >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            await cancel(0)  # attempt 0's again: attempt 1 runs on
+            await asyncio.wait_for(done.wait(), 30)
+            return refused, events
+        finally:
+            await broker.stop()
+
+    refused, events = asyncio.run(run())
+    assert refused == "conflict"
+    assert not any(e.error for e in events) and events[-1].finish_reason == "length"
+    assert [e.index for e in events if e.token_id is not None] == list(range(40))

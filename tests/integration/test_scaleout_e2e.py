@@ -74,10 +74,18 @@ def test_a_scale_out_multicasts_from_the_host_copy_and_the_new_instances_serve(c
     workers = wait_for(lambda: w if len(w := ready_workers(cluster)) == 3 else None, 60, "three instances")
     receivers = workers - first - {pool}  # the pool's worker loads its own copy (and may send)
 
-    op = next(o for o in described(cluster)["scale_ops"] if o["direction"] == "up" and o["from_instances"] == 1)
+    def scale_op() -> dict:
+        return next(o for o in described(cluster)["scale_ops"] if o["direction"] == "up" and o["from_instances"] == 1)
+
+    def transferred(o: dict) -> set[str]:
+        return {k.split(":", 1)[1] for k in o["timings"] if k.startswith("transferred:")}
+    op = scale_op()
     assert op["plan"]["kind"] == "multicast" and op["plan"]["algorithm"] == "binomial"
     assert set(op["plan"]["sources"]) <= {source, pool} and set(op["plan"]["receivers"]) == receivers
-    assert {k.split(":", 1)[1] for k in op["timings"] if k.startswith("transferred:")} == receivers
+    # A receiver's transfer report is its own event: the registry may record it after the
+    # instance it fed is ready.
+    op = wait_for(lambda: o if transferred(o := scale_op()) == receivers else None, 10,
+                  "every receiver's transfer report")
     assert sum(k.startswith("ready:") for k in op["timings"]) == 2
     assert op["timings"]["planned"] <= op["timings"]["first_send"] <= op["timings"]["first_block"]
 

@@ -173,8 +173,11 @@ def test_keys_through_the_cli_are_stored_hashed_and_revoked_at_once(cluster, mon
     assert all("key" not in k and "key_hash" not in k for k in keys)
     with psycopg.connect(cluster.database_url) as conn:  # the database never holds the secret
         assert secret not in repr(conn.execute("SELECT * FROM api_keys").fetchall())
-    usage = runner.invoke(cli, ["usage", "--key", "from-cli", *target])
-    assert usage.exit_code == 0 and "from-cli" in usage.output
+    def usage_listed():  # the gateway records usage in the registry once a second, not at once
+        usage = runner.invoke(cli, ["usage", "--key", "from-cli", *target])
+        assert usage.exit_code == 0, usage.output
+        return "from-cli" in usage.output
+    wait_for(usage_listed, 10, "`layercast usage` to list the key's request")
 
     out = runner.invoke(cli, ["keys", "revoke", key_id, *target])
     assert out.exit_code == 0, out.output

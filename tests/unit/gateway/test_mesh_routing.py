@@ -153,11 +153,13 @@ def _entry(routes: ModelRoutes, **slos) -> ModelEntry:
 class StandInWorkers:
     """Not workers: plain responders on subjects.worker_generate answering as a mesh worker's
     generate RPC does, each refusing ("busy") its first `refusals[worker]` requests; those in
-    `stalled` answer only once `answer` is set. The cancels they are sent are kept."""
+    `stalled` answer only once `answer` is set, those in `stopping` as a draining instance. The cancels they are sent are kept."""
 
-    def __init__(self, nats_url: str, refusals: dict[str, int], stalled: tuple[str, ...] = ()):
+    def __init__(self, nats_url: str, refusals: dict[str, int], stalled: tuple[str, ...] = (),
+                 stopping: tuple[str, ...] = ()):
         self.broker = make_broker(nats_url)
         self.refusals, self.stalled, self.answer = dict(refusals), stalled, asyncio.Event()
+        self.stopping = stopping  # answer as a worker whose instance is draining
         self.received: list[tuple[str, m.GenerateRequest]] = []
         self.cancels: list[tuple[str, m.CancelRequest]] = []
         for worker in refusals:
@@ -174,6 +176,8 @@ class StandInWorkers:
             self.received.append((worker, req))
             if worker in self.stalled:
                 await self.answer.wait()
+            if worker in self.stopping:
+                raise DomainError(f"instance {req.instance_id} is not serving on {worker}", code="unavailable")
             if self.refusals[worker] > 0:
                 self.refusals[worker] -= 1
                 raise DomainError("taking it would push a request past its TPOT SLO", code="busy")
@@ -186,9 +190,10 @@ async def gateway_and_workers(nats_url):
     made = []
 
     async def make(sharing: str, refusals: dict[str, int], queue_timeout_s: float = 5.0,
-                   stalled: tuple[str, ...] = ()):
-        gw = GatewayService(GatewayConfig(sharing=sharing, queue_timeout_s=queue_timeout_s), nats_url)
-        workers = StandInWorkers(nats_url, refusals, stalled)
+                   stalled: tuple[str, ...] = (), dispatch_timeout_s: float = 5.0, stopping: tuple[str, ...] = ()):
+        gw = GatewayService(GatewayConfig(sharing=sharing, queue_timeout_s=queue_timeout_s,
+                                          dispatch_timeout_s=dispatch_timeout_s), nats_url)
+        workers = StandInWorkers(nats_url, refusals, stalled, stopping)
         for b in (gw.broker, workers.broker):
             await start_broker(b)
             made.append(b)
@@ -282,6 +287,58 @@ async def test_a_dispatch_cancelled_mid_rpc_gives_its_slot_back_and_cancels_on_t
             break
         await asyncio.sleep(0.02)
     assert [(w, c.request_id, c.instance_id) for w, c in workers.cancels] == [("w1", "r5", "only")]
+    workers.answer.set()
+
+
+async def test_a_worker_that_does_not_answer_in_time_has_that_attempt_cancelled_and_the_request_goes_on(
+        gateway_and_workers):
+    """An overloaded worker may take the request after the gateway stopped waiting: the gateway
+    cancels that very attempt there (the worker refuses its generate should it come later) and
+    tries the next instance; timeouts are not the failures that end a request with a 503."""
+    gw, workers = await gateway_and_workers("mesh", {"w-slow": 0, "w-ok": 0}, stalled=("w-slow",),
+                                            dispatch_timeout_s=0.3)
+    routes = ModelRoutes("unanswered", max_queue=4, slots_per_instance=4, sharing="mesh")
+    routes.add("slow", "w-slow", device="cpu")  # tried first (CPU before CUDA)
+    routes.add("ok", "w-ok", device="cuda")
+    route = await asyncio.wait_for(gw.dispatch(_entry(routes), "r6", [1], m.SamplingSpec(max_tokens=4)), 3)
+    assert route.instance_id == "ok"
+    (_, late), (_, taken) = workers.received
+    assert late.instance_id == "slow" and taken.attempt != late.attempt  # each hand-off its own id
+    for _ in range(100):
+        if workers.cancels:
+            break
+        await asyncio.sleep(0.02)
+    assert [(w, c.request_id, c.instance_id, c.attempt) for w, c in workers.cancels] == [
+        ("w-slow", "r6", "slow", late.attempt)]
+    assert "slow" not in routes.routes  # passed over until the next sync with the registry
+    assert REGISTRY.get_sample_value("layercast_gateway_unanswered_dispatches_total", {"model": "unanswered"}) == 1
+    workers.answer.set()
+
+
+@pytest.mark.parametrize("why", ["stalled", "stopping"])
+async def test_timeouts_and_stopping_instances_do_not_fail_a_request_before_its_queue_timeout(
+        gateway_and_workers, why):
+    """Three unanswered attempts, or three instances that were stopping (drained by a scale-in),
+    used to end the request with a 503 ("no instance accepted"): an instance that comes (here:
+    added, as a sync does) within the wait takes it."""
+    gw, workers = await gateway_and_workers("mesh", {"w-slow": 0, "w-ok": 0}, dispatch_timeout_s=0.2,
+                                            queue_timeout_s=10, **{why: ("w-slow",)})
+    routes = ModelRoutes(f"unanswered-thrice-{why}", max_queue=4, slots_per_instance=4, sharing="mesh")
+    task = asyncio.create_task(gw.dispatch(_entry(routes), "r7", [1], m.SamplingSpec(max_tokens=4)))
+    for _ in range(4):
+        routes.add("slow", "w-slow")
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if "slow" not in routes.routes:
+                break
+    assert not task.done()
+    if why == "stalled":
+        assert REGISTRY.get_sample_value("layercast_gateway_unanswered_dispatches_total",
+                                         {"model": routes.model}) == 4
+    else:
+        assert len(workers.received) == 4
+    routes.add("ok", "w-ok")
+    assert (await asyncio.wait_for(task, 3)).instance_id == "ok"
     workers.answer.set()
 
 

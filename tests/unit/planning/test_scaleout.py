@@ -207,6 +207,19 @@ def test_a_target_holding_a_copy_loads_it_itself_and_sends_and_the_least_loaded_
     assert plan.record()["sources"] == ["w2"] and plan.multicast.k == 1
 
 
+def test_a_scale_out_adds_no_instance_on_a_worker_refusing_requests_but_a_first_instance_goes_anywhere():
+    view = _one_copy_view("layercast")  # w0 serves, w1..w3 are free
+    plan = plan_scale_out(view, _request(4), saturated={"w1", "w3"})
+    assert plan.targets == ("w2",) and plan.to_instances == 2
+    held = plan_scale_out(view, _request(4), saturated={"w1", "w2", "w3"})
+    assert held.loads == () and held.held_back == ("w1", "w2", "w3")
+    assert plan_scale_out(view, _request(4)).held_back == ()
+    # No instance live: one must go somewhere for the model's requests to get in; the others first.
+    cold = _view([_worker(f"w{i}") for i in range(3)], [_model("layercast")])
+    assert plan_scale_out(cold, _request(3), saturated={"w0"}).targets == ("w1", "w2", "w0")
+    assert decide(cold, _request(1), saturated={"w0", "w1", "w2"}).targets == ("w0",)
+
+
 def test_no_copy_anywhere_means_every_target_reads_its_disk():
     view = _view([_worker("w0"), _worker("w1")], [_model("layercast")])
     plan = plan_scale_out(view, _request(2))
