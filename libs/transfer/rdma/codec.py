@@ -16,7 +16,7 @@ from typing import Any
 
 from libs.transfer.errors import TransferError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Immediate data (32 bits): which inbound stream, and where the span it ends stops (in granules).
 # Carrying the end offset keeps the receiver independent of wc.byte_len, which not every provider fills.
@@ -148,11 +148,16 @@ class ConnectionInfo:
     bulk_psn: int
     ctrl_qpn: int
     ctrl_psn: int
+    # Which life of the transport and which of its connections this is: an attempt older than
+    # the connection the peer already has with us is stale, not a reconnect (accept_exchange).
+    incarnation: str = ""
+    attempt: int = 0
 
     def to_dict(self) -> dict:
         return {"v": PROTOCOL_VERSION, "node": self.node, "lid": self.lid, "gid": self.gid, "mtu": self.mtu,
                 "max_msg": self.max_msg, "bulk_qpn": self.bulk_qpn, "bulk_psn": self.bulk_psn,
-                "ctrl_qpn": self.ctrl_qpn, "ctrl_psn": self.ctrl_psn}
+                "ctrl_qpn": self.ctrl_qpn, "ctrl_psn": self.ctrl_psn,
+                "incarnation": self.incarnation, "attempt": self.attempt}
 
     @classmethod
     def from_dict(cls, d: Any) -> ConnectionInfo:
@@ -184,6 +189,8 @@ class ConnectionInfo:
             bulk_psn=_field(d, "bulk_psn", int, 0, 0xFFFFFF, what),
             ctrl_qpn=_field(d, "ctrl_qpn", int, 1, 0xFFFFFF, what),
             ctrl_psn=_field(d, "ctrl_psn", int, 0, 0xFFFFFF, what),
+            incarnation=_field(d, "incarnation", str, what=what),
+            attempt=_field(d, "attempt", int, 0, None, what),
         )
 
 

@@ -187,7 +187,8 @@ class _Conn:
         self.local_info = ConnectionInfo(node=tr.node_id, lid=tr._lid, gid=tr._gid, mtu=tr._mtu,
                                          max_msg=tr._max_msg, bulk_qpn=int(self.bulk_qp.qp_num),
                                          bulk_psn=self.bulk_psn, ctrl_qpn=int(self.ctrl_qp.qp_num),
-                                         ctrl_psn=self.ctrl_psn)
+                                         ctrl_psn=self.ctrl_psn, incarnation=tr._incarnation,
+                                         attempt=next(tr._attempts))
 
     def _create_qp(self, sq: int, rq: int, access: int) -> Any:
         tr = self._tr
@@ -438,6 +439,8 @@ class RdmaTransport(Transport):
         self._closed = False
         self._stopping = False
         self._conns: dict[str, _Conn] = {}
+        self._incarnation = os.urandom(8).hex()  # this transport's life, told apart from a restart's
+        self._attempts = itertools.count(1)  # each connection's number, in the order they are made
         self._graveyard: list[_Conn] = []
         self._qpn: dict[int, tuple[_Conn, int]] = {}
         self._pending_offers: dict[tuple[str, int], _PendingOffer] = {}  # before expect()
@@ -577,6 +580,11 @@ class RdmaTransport(Transport):
             cur = self._conns.get(peer)
             if (cur is not None and cur.dead is None and cur.initiator and not cur.ready
                     and self.node_id < peer):
+                return superseded_reply(self.node_id)
+            if (cur is not None and cur.dead is None and cur.ready and cur.remote is not None
+                    and remote.incarnation == cur.remote.incarnation and remote.attempt < cur.remote.attempt):
+                # A late request of the peer's, made before the connection we both use now: replacing
+                # that connection would fail it at both ends. The peer drops its attempt and uses it.
                 return superseded_reply(self.node_id)
             conn = self._new_conn(peer, initiator=False)
             self._conns[peer] = conn

@@ -873,6 +873,47 @@ def test_fake_simultaneous_connect_ends_with_one_connection_per_side(fabric):
         assert ca.remote.bulk_qpn == cb.bulk_qp.qp_num and cb.remote.bulk_qpn == ca.bulk_qp.qp_num
 
 
+def test_fake_late_request_of_a_lost_tie_does_not_replace_the_connection_in_use(fabric):
+    """b's attempt loses the tie to a's, but its request reaches a only after a's connection is up:
+    a must not take it for a reconnect (that failed the connection at both ends mid-multicast)."""
+    nodes: dict[str, RdmaTransport] = {}
+    gate = threading.Event()
+
+    def exchange_from(me):
+        def exchange(peer, info):
+            if me == "b":
+                gate.wait(10)  # b's request is held in flight
+            return json.loads(json.dumps(nodes[peer].accept_exchange(me, json.loads(json.dumps(info)))))
+        return exchange
+
+    nodes["a"] = RdmaTransport("a", exchange_from("a"), mode="write")
+    nodes["b"] = RdmaTransport("b", exchange_from("b"), mode="write")
+    a, b = nodes["a"], nodes["b"]
+    try:
+        got: list[bytes] = []
+        a.on_message("x", lambda s, p: got.append(p))
+        b.on_message("x", lambda s, p: got.append(p))
+        late = threading.Thread(target=b.send_message, args=("a", a.address, "x", b"from b"))
+        late.start()
+        deadline = time.monotonic() + 5
+        while "a" not in b._conns and time.monotonic() < deadline:
+            time.sleep(0.01)
+        a.send_message("b", b.address, "x", b"from a")  # a's attempt wins at b
+        while b"from a" not in got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        in_use = a._conns["b"]
+        gate.set()
+        late.join(20)
+        while len(got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(got) == [b"from a", b"from b"]
+        assert a._conns["b"] is in_use and in_use.dead is None
+    finally:
+        gate.set()
+        a.close()
+        b.close()
+
+
 def test_fake_forgotten_operation_is_refused(fabric):
     with transport_pair("write") as (a, b):
         b.forget("gone")
