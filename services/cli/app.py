@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from libs.admin import admin_request, deploy_model
 from libs.cluster.launcher import ClusterError, ClusterSpec, ClusterState, cluster_status, start_cluster, stop_cluster
 
 app = typer.Typer(help="layercast: serverless LLM inference by block multicast.", no_args_is_help=True)
@@ -159,28 +160,6 @@ def profiles(name: str, state_dir: Path = StateDir, gateway_url: str = GatewayUr
     print(json.dumps(found["profiles"], indent=2))
 
 
-def _admin(gateway_url: str, admin_key: str, method: str, path: str, body: dict | None = None) -> httpx.Response:
-    return httpx.request(method, gateway_url.rstrip("/") + path, json=body, timeout=30,
-                         headers={"Authorization": f"Bearer {admin_key}"})
-
-
-def deploy_model(state: ClusterState | tuple[str, str], name: str, path: Path, min_instances: int = 0,
-                 max_instances: int = 4, keep_alive_s: float = 60.0, scaling_mode: str = "layercast",
-                 policy: str = "concurrency", policy_params: dict[str, float] | None = None,
-                 ttft_slo_s: float | None = None, tpot_slo_s: float = 0.25) -> dict:
-    """Deploy through the admin API of a local cluster (its state) or of any gateway (url, admin key)."""
-    url, key = (state.gateway_url, state.admin_key) if isinstance(state, ClusterState) else state
-    r = _admin(url, key, "POST", "/admin/v1/models", {
-        "name": name, "path": str(path.resolve()), "min_instances": min_instances, "max_instances": max_instances,
-        "keep_alive_s": keep_alive_s, "scaling_mode": scaling_mode, "policy": policy,
-        "policy_params": policy_params or {}, "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s})
-    if r.status_code == 409:
-        return _admin(url, key, "GET", f"/admin/v1/models/{name}").json()
-    if r.status_code >= 400:
-        raise ClusterError(r.json().get("error", {}).get("message", r.text))
-    return r.json()
-
-
 def _target(state_dir: Path, gateway_url: str | None, admin_key: str | None) -> tuple[str, str]:
     """The gateway's URL and admin key: given, or the local cluster's."""
     if gateway_url:
@@ -195,9 +174,7 @@ def _admin_call(state_dir: Path, gateway_url: str | None, admin_key: str | None,
                 body: dict | None = None, params: dict | None = None) -> dict:
     """One admin API call; an error answer is printed and exits 1."""
     try:
-        url, key = _target(state_dir, gateway_url, admin_key)
-        r = httpx.request(method, url.rstrip("/") + path, json=body, params=params, timeout=30,
-                          headers={"Authorization": f"Bearer {key}"})
+        r = admin_request(_target(state_dir, gateway_url, admin_key), method, path, body, params)
     except (ClusterError, httpx.HTTPError) as e:
         _fail(str(e))
     if r.status_code >= 400:
