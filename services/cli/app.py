@@ -1,12 +1,12 @@
 """Top-level typer app: cluster lifecycle (`up`, `down`, `status`), models
 (`model create-demo|convert|deploy`), benchmarks (`bench ...`)."""
 
-import importlib
 import json
 import os
 import signal
 import time
 from contextlib import ExitStack
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import httpx
@@ -25,18 +25,37 @@ app.add_typer(keys_app, name="keys")
 console = Console()
 
 
+# Commands that packages above services/ plug in (pyproject.toml's [project.entry-points."layercast.cli"]):
+# resolved by name through the installed metadata, never imported from here (benchmarks/ sits above
+# services/, and nothing imports it).
+PLUGIN_GROUP = "layercast.cli"
+
+
+def plugin_command(name: str) -> typer.Typer | None:
+    """The typer app plugged in as `layercast NAME`; None where no installed package declares it, or
+    where the package that declares it is not here (the image ships without benchmarks/)."""
+    found = entry_points(group=PLUGIN_GROUP, name=name)
+    if not found:
+        return None
+    entry = next(iter(found))
+    try:
+        return entry.load()
+    except ModuleNotFoundError as e:  # only the plugin's own module missing; a failing import inside it is a bug
+        if e.name is None or not (entry.module == e.name or entry.module.startswith(e.name + ".")):
+            raise
+        return None
+
+
 @app.command("bench", add_help_option=False,
              context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context) -> None:
-    """Benchmarks (plan, load, engine, multicast, scale, trace); each prints one JSON object with --json."""
-    # benchmarks/ sits above services/ and nothing imports it: its commands are loaded by name, on use.
-    try:
-        bench_app = importlib.import_module("benchmarks.cli").bench_app
-    except ModuleNotFoundError as e:
-        if e.name != "benchmarks":
-            raise
-        _fail("the benchmarks are not installed here (they ship with a source checkout, not the image)")
+    """Benchmarks (plan, load, engine, serve, multicast, scale, trace, mesh); each prints one JSON object."""
+    bench_app = plugin_command("bench")
+    if bench_app is None:
+        _fail("no benchmarks here: they ship with a source checkout, where `pip install -e .` (make install) "
+              "registers them as `layercast bench`; the image has none")
     typer.main.get_command(bench_app)(args=ctx.args, prog_name="layercast bench")
+
 
 DEFAULT_STATE_DIR = Path(".layercast")
 StateDir = typer.Option(DEFAULT_STATE_DIR, "--state-dir", help="Where the cluster keeps its state and logs.")
