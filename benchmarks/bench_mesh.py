@@ -280,7 +280,7 @@ def _wait(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
 @contextmanager
 def mesh_cluster(sharing: str, models: dict[str, Path], cfg: MeshBenchConfig, state_dir: Path,
                  context: int, log: Callable[[str], None] = _log) -> Iterator[MeshCluster]:
-    from services.cli.app import deploy_model
+    from libs.admin import deploy_model
 
     state_dir = Path(state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)

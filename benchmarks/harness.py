@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 
 from benchmarks.trace_replay import ENDED_STATES, instance_intervals
+from libs.admin import admin_request
 from libs.protocol import subjects
 from libs.cluster.launcher import ClusterError, ClusterSpec, ClusterState, free_port, start_cluster, stop_processes
 
@@ -289,8 +290,7 @@ class ClusterHandle:
         return Path(self.state.state_dir)
 
     def admin(self, method: str, path: str, body: dict | None = None, timeout_s: float = 30.0) -> httpx.Response:
-        return httpx.request(method, self.gateway_url.rstrip("/") + path, json=body, timeout=timeout_s,
-                             headers={"Authorization": f"Bearer {self.admin_key}"})
+        return admin_request(self.state, method, path, body, timeout_s=timeout_s)
 
     def describe(self) -> dict:
         """GET /admin/v1/models/{model}: the deployment, its instances, replicas, recent scale ops."""

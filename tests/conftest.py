@@ -81,7 +81,7 @@ def fresh_database(server_url: str):
 def running_cluster(postgres_server_url: str, checkpoint: Path, deploy: dict, emulation=None, model: str = "tiny",
                     **spec):
     """A whole cluster as processes on a fresh database, the checkpoint deployed as `model`; stopped after."""
-    from services.cli.app import deploy_model
+    from libs.admin import deploy_model
 
     with fresh_database(postgres_server_url) as db:
         state = start_cluster(ClusterSpec(port=free_port(), database_url=db, **spec), emulation=emulation)

@@ -1,12 +1,12 @@
 """Top-level typer app: cluster lifecycle (`up`, `down`, `status`), models
 (`model create-demo|convert|deploy`), benchmarks (`bench ...`)."""
 
-import importlib
 import json
 import os
 import signal
 import time
 from contextlib import ExitStack
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import httpx
@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from libs.admin import admin_request, deploy_model
 from libs.cluster.launcher import ClusterError, ClusterSpec, ClusterState, cluster_status, start_cluster, stop_cluster
 
 app = typer.Typer(help="layercast: serverless LLM inference by block multicast.", no_args_is_help=True)
@@ -24,18 +25,37 @@ app.add_typer(keys_app, name="keys")
 console = Console()
 
 
+# Commands that packages above services/ plug in (pyproject.toml's [project.entry-points."layercast.cli"]):
+# resolved by name through the installed metadata, never imported from here (benchmarks/ sits above
+# services/, and nothing imports it).
+PLUGIN_GROUP = "layercast.cli"
+
+
+def plugin_command(name: str) -> typer.Typer | None:
+    """The typer app plugged in as `layercast NAME`; None where no installed package declares it, or
+    where the package that declares it is not here (the image ships without benchmarks/)."""
+    found = entry_points(group=PLUGIN_GROUP, name=name)
+    if not found:
+        return None
+    entry = next(iter(found))
+    try:
+        return entry.load()
+    except ModuleNotFoundError as e:  # only the plugin's own module missing; a failing import inside it is a bug
+        if e.name is None or not (entry.module == e.name or entry.module.startswith(e.name + ".")):
+            raise
+        return None
+
+
 @app.command("bench", add_help_option=False,
              context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context) -> None:
-    """Benchmarks (plan, load, engine, multicast, scale, trace); each prints one JSON object with --json."""
-    # benchmarks/ sits above services/ and nothing imports it: its commands are loaded by name, on use.
-    try:
-        bench_app = importlib.import_module("benchmarks.cli").bench_app
-    except ModuleNotFoundError as e:
-        if e.name != "benchmarks":
-            raise
-        _fail("the benchmarks are not installed here (they ship with a source checkout, not the image)")
+    """Benchmarks (plan, load, engine, serve, multicast, scale, trace, mesh); each prints one JSON object."""
+    bench_app = plugin_command("bench")
+    if bench_app is None:
+        _fail("no benchmarks here: they ship with a source checkout, where `pip install -e .` (make install) "
+              "registers them as `layercast bench`; the image has none")
     typer.main.get_command(bench_app)(args=ctx.args, prog_name="layercast bench")
+
 
 DEFAULT_STATE_DIR = Path(".layercast")
 StateDir = typer.Option(DEFAULT_STATE_DIR, "--state-dir", help="Where the cluster keeps its state and logs.")
@@ -159,28 +179,6 @@ def profiles(name: str, state_dir: Path = StateDir, gateway_url: str = GatewayUr
     print(json.dumps(found["profiles"], indent=2))
 
 
-def _admin(gateway_url: str, admin_key: str, method: str, path: str, body: dict | None = None) -> httpx.Response:
-    return httpx.request(method, gateway_url.rstrip("/") + path, json=body, timeout=30,
-                         headers={"Authorization": f"Bearer {admin_key}"})
-
-
-def deploy_model(state: ClusterState | tuple[str, str], name: str, path: Path, min_instances: int = 0,
-                 max_instances: int = 4, keep_alive_s: float = 60.0, scaling_mode: str = "layercast",
-                 policy: str = "concurrency", policy_params: dict[str, float] | None = None,
-                 ttft_slo_s: float | None = None, tpot_slo_s: float = 0.25) -> dict:
-    """Deploy through the admin API of a local cluster (its state) or of any gateway (url, admin key)."""
-    url, key = (state.gateway_url, state.admin_key) if isinstance(state, ClusterState) else state
-    r = _admin(url, key, "POST", "/admin/v1/models", {
-        "name": name, "path": str(path.resolve()), "min_instances": min_instances, "max_instances": max_instances,
-        "keep_alive_s": keep_alive_s, "scaling_mode": scaling_mode, "policy": policy,
-        "policy_params": policy_params or {}, "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s})
-    if r.status_code == 409:
-        return _admin(url, key, "GET", f"/admin/v1/models/{name}").json()
-    if r.status_code >= 400:
-        raise ClusterError(r.json().get("error", {}).get("message", r.text))
-    return r.json()
-
-
 def _target(state_dir: Path, gateway_url: str | None, admin_key: str | None) -> tuple[str, str]:
     """The gateway's URL and admin key: given, or the local cluster's."""
     if gateway_url:
@@ -195,9 +193,7 @@ def _admin_call(state_dir: Path, gateway_url: str | None, admin_key: str | None,
                 body: dict | None = None, params: dict | None = None) -> dict:
     """One admin API call; an error answer is printed and exits 1."""
     try:
-        url, key = _target(state_dir, gateway_url, admin_key)
-        r = httpx.request(method, url.rstrip("/") + path, json=body, params=params, timeout=30,
-                          headers={"Authorization": f"Bearer {key}"})
+        r = admin_request(_target(state_dir, gateway_url, admin_key), method, path, body, params)
     except (ClusterError, httpx.HTTPError) as e:
         _fail(str(e))
     if r.status_code >= 400:

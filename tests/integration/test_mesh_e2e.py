@@ -21,6 +21,7 @@ import openai
 import pytest
 import torch
 
+from libs.admin import deploy_model
 from libs.checkpoint import CheckpointIndex, convert_checkpoint, create_demo_checkpoint, load_block
 from libs.cluster.launcher import ClusterSpec, free_port, start_cluster, stop_processes
 from libs.engine import Engine
@@ -28,7 +29,6 @@ from libs.engine.profiling import measure_profile
 from libs.protocol import subjects
 from benchmarks.bench_mesh import profile_stored
 from conftest import fresh_database, wait_for
-from services.cli.app import deploy_model
 
 pytestmark = pytest.mark.slow
 

@@ -15,12 +15,12 @@ import httpx
 import openai
 import pytest
 
+from libs.admin import deploy_model
 from libs.checkpoint import CheckpointIndex, convert_checkpoint, create_demo_checkpoint
 from libs.cluster.launcher import ClusterSpec, free_port, start_cluster, stop_processes
 from libs.engine import kv_slot_bytes_of
 from libs.protocol import subjects
 from conftest import fresh_database, wait_for
-from services.cli.app import deploy_model
 
 pytestmark = pytest.mark.slow
 

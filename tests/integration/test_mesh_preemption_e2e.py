@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from libs.admin import deploy_model
 from libs.bus.broker import RemoteError, call, make_broker, start_broker
 from libs.checkpoint import convert_checkpoint, create_demo_checkpoint
 from libs.cluster.launcher import ClusterSpec, free_port, start_cluster, stop_processes
@@ -28,7 +29,6 @@ from libs.planning.mesh_profiles import profile_from_message
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from conftest import fresh_database, wait_for
-from services.cli.app import deploy_model
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ import psycopg
 import pytest
 from typer.testing import CliRunner
 
+from libs.admin import deploy_model
 from conftest import TEST_ADMIN_KEY, TEST_API_KEY, one_worker_cluster, wait_for
 from services.cli.app import app as cli
 from services.cli.app import console as cli_console
-from services.cli.app import deploy_model
 from test_serving_e2e import assert_openai_error
 
 pytestmark = pytest.mark.slow
