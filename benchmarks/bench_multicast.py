@@ -27,13 +27,15 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from libs.planning.multicast import (
-    execution_pipelines,
-    kway_subgroups,
+    MULTICAST_ALGORITHMS,
+    MulticastPlan,
+    build_plan,
+    multicast_algorithm,
     pipeline_ready_steps,
+    plan_bound_s,
     schedule_steps,
     step_bound_s,
 )
-from libs.planning.scaleout import MULTICAST_ALGORITHMS, MulticastPlan, build_plan, plan_bound_s
 from libs.cluster.launcher import healthy
 from libs.cluster.emulation import EmulatedCluster
 
@@ -44,10 +46,12 @@ HEALTH_PORT = 7701
 
 def first_copy_s(plan: MulticastPlan, n_nodes: int, n_blocks: int, arrived: dict[int, dict[int, float]],
                  t0: float) -> tuple[float, int] | None:
-    """k > 1: when the first execution pipeline (λScale Alg. 2) jointly held every block, and at which step."""
-    if plan.k < 2:
+    """k > 1: when the first execution pipeline (its algorithm's groups: λScale Alg. 2 for k-way)
+    jointly held every block, and at which step; None where the schedule forms no pipelines."""
+    algorithm = multicast_algorithm(plan.algorithm)
+    if plan.k < 2 or not algorithm.forms_pipelines:
         return None
-    pipelines = execution_pipelines(kway_subgroups(n_nodes, plan.k))
+    pipelines = algorithm.pipeline_groups(n_nodes, plan.k)
     best = None
     for p in pipelines:
         worst = max(min(arrived[v].get(b, float("inf")) for v in p) for b in range(n_blocks))
@@ -189,9 +193,7 @@ def run_multicast_benchmark(nodes: int = 8, size_mb: float = 256, blocks: int = 
     """
     from benchmarks.dataplane_node import synthetic_block, synthetic_block_sizes
 
-    for a in algorithms:
-        if a not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {a!r}; choose from {', '.join(ALGORITHMS)}")
+    algorithms = [multicast_algorithm(a).name for a in algorithms]  # aliases read as their names
     ks = sorted({k for k in ks if 1 <= k and nodes - k >= k})  # k-way: a target per sub-group at least
     if not ks:
         raise ValueError(f"no usable k: k sources need at least k targets among {nodes} nodes")

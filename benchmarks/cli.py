@@ -213,14 +213,14 @@ def multicast(
 ) -> None:
     """Every multicast algorithm on one emulated cluster (root: netns + tc), against its bounds."""
     from benchmarks.bench_multicast import run_multicast_benchmark
-    from libs.planning.scaleout import MULTICAST_ALGORITHMS
+    from libs.planning.multicast import ALGORITHM_ALIASES, MULTICAST_ALGORITHMS
     from libs.cluster.emulation import can_emulate
 
     ok, why = can_emulate()
     if not ok:
         raise typer.BadParameter(f"cannot emulate a cluster here: {why}")
     algs = [a.strip() for a in algorithms.split(",") if a.strip()]
-    bad = [a for a in algs if a not in MULTICAST_ALGORITHMS]
+    bad = [a for a in algs if a not in MULTICAST_ALGORITHMS and a not in ALGORITHM_ALIASES]
     if bad:
         raise typer.BadParameter(f"unknown algorithms {bad}; choose from {', '.join(MULTICAST_ALGORITHMS)}")
     result = run_multicast_benchmark(nodes, size_mb, blocks, link_mbit, algs, _int_list(ks), chunk_kib, repeat,

@@ -3,16 +3,17 @@
 Modules (each cites the paper sections it implements):
 
 - ``multicast`` — block schedules: binomial pipeline, k-way, star, binary tree,
-  chain; execution pipelines; the schedule validator.
+  chain; execution pipelines; the schedule validator; the multicast-algorithm registry
+  (``MULTICAST_ALGORITHMS``: the one vocabulary of algorithm names).
 - ``chain`` — BlitzScale's topology-aware chain planner (Fig. 11).
 - ``zigzag`` — live-pair scheduling: ILP (1), best-effort, simulation, Fig. 16 queue.
 - ``estimate`` — ServerlessLLM load / migration time estimators and server choice.
-- ``multicast_choice`` — picks chain, binomial or k-way for a scale-out.
+- ``multicast_choice`` — picks among the registry's candidates (chain, binomial, k-way) for a scale-out.
 - ``policies`` — scaling policies (threshold, concurrency, SLO saturation).
 - ``autoscale`` — the load-monitor's whole decision: ``step(state, observation, now)``
   and the ``POLICIES`` registry chosen per deployment.
-- ``scaleout`` — the planner's decisions: the ``MODES`` table, the multicast-algorithm
-  registry, ``decide`` / ``plan_scale_out`` / ``plan_scale_in``.
+- ``scaleout`` — the planner's decisions: the ``MODES`` table,
+  ``decide`` / ``plan_scale_out`` / ``plan_scale_in``.
 - ``pool`` — the parameter pool (BlitzScale §5.3): which workers get which blocks back.
 - ``placement`` — target and victim selection (locality first).
 - ``block_sources`` — where a worker takes each block from: host tier, a transfer, disk.

@@ -13,13 +13,21 @@ FaaScale §4, Derecho RDMC (Behrens et al., DSN'18) for the hypercube schedule
 and its "twin" handling of node counts that are not powers of two, FaaSNet for
 the binary tree baseline, BlitzScale §5.1 for chains.
 
+:data:`MULTICAST_ALGORITHMS` registers each algorithm once, under the one name plans,
+records, transfer parts and benchmarks use: its schedule, its cost model (time bound and
+step timing), whether it sends from several sources, how choose_multicast weighs it, and
+its execution-pipeline groups; whether those groups can serve at all is read off the
+schedule (:func:`holds_jointly_before_alone`).
+
 Everything here is pure and deterministic.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+import math
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 __all__ = [
     "Transfer",
@@ -43,6 +51,22 @@ __all__ = [
     "node_parts",
     "step_bound_s",
     "chain_bound_s",
+    "holds_jointly_before_alone",
+    "kway_pipeline_groups",
+    "receivers_as_one_group",
+    "kway_chain_schedule",
+    "CostModel",
+    "BLOCK_STEPS",
+    "CHUNK_RELAY",
+    "MulticastPlan",
+    "ChoiceCandidate",
+    "MulticastAlgorithm",
+    "MULTICAST_ALGORITHMS",
+    "ALGORITHM_ALIASES",
+    "multicast_algorithm",
+    "build_plan",
+    "plan_bound_s",
+    "plan_pipeline_groups",
 ]
 
 
@@ -613,3 +637,216 @@ def chain_bound_s(n_nodes: int, total_bytes: int, chunk_bytes: int, rate_bytes_p
     if n_nodes < 2 or rate_bytes_per_s <= 0:
         raise ValueError("a chain needs at least 2 nodes and a positive rate")
     return (total_bytes + (n_nodes - 2) * min(chunk_bytes, total_bytes)) / rate_bytes_per_s
+
+
+
+# ---------------------------------------------------------------------------
+# When receivers can serve jointly (execution pipelines)
+# ---------------------------------------------------------------------------
+
+
+def holds_jointly_before_alone(
+    schedule: Iterable[Transfer],
+    n_nodes: int,
+    n_blocks: int,
+    group: Collection[int],
+    sources: Collection[int] = (0,),
+) -> bool:
+    """Whether the group's nodes jointly hold every block after some step at which none of
+    them holds every block alone: the window in which they can serve as one execution
+    pipeline (λScale §4.3) while no member could serve on its own.
+
+    Read off the arrival steps: the step after which the group's union first covers the
+    model comes strictly before the group's first complete copy. A chain's (or a star's, or
+    a binary tree's) receivers each hold a prefix of the blocks their sender holds, so the
+    union is one member's holding and the window never opens; nor does it for a group with
+    a source in it (the source holds everything from the start)."""
+    members = list(group)
+    if not members:
+        return False
+    arr = arrival_steps(schedule, n_nodes, n_blocks, sources)
+    never = math.inf  # a block a node never receives
+    steps = {v: [never if s is None else s for s in arr[v]] for v in members}
+    jointly = max(min(steps[v][b] for v in members) for b in range(n_blocks))
+    first_copy = min(max(row) for row in steps.values())
+    return jointly < first_copy
+
+
+def kway_pipeline_groups(n_nodes: int, k: int) -> list[list[int]]:
+    """λScale Alg. 2 over the k-way sub-groups: the receiver groups that may serve as pipelines."""
+    return execution_pipelines(kway_subgroups(n_nodes, k))
+
+
+def receivers_as_one_group(n_nodes: int, k: int) -> list[list[int]]:
+    """Every receiver in one group: the pipeline groups of an algorithm that names none."""
+    return [list(range(k, n_nodes))]
+
+
+def kway_chain_schedule(n_nodes: int, n_blocks: int, k: int) -> list[Transfer]:
+    """BlitzScale's chains from k sources: one chain per source over its share of the targets
+    (the :func:`kway_subgroups` split)."""
+    chains = [[i, *group] for i, group in enumerate(kway_subgroups(n_nodes, k))]
+    return chain_schedule(chains, n_blocks)
+
+
+# ---------------------------------------------------------------------------
+# Cost models: how long a schedule's steps take on uniform links
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What a schedule's structure costs on links of R bytes/s, two ways.
+
+    ``bound_s(schedule, n_blocks, total_bytes, rate, chunk_bytes)``: the time the whole
+    schedule needs (what the multicast benchmark compares a run with).
+    ``done_s(step, n_blocks, total_bytes, bytes_per_s, chunk_bytes, overhead_s)``: when what
+    holds after ``step`` holds, with a fixed overhead per step (choose_multicast's model;
+    ``chunk_bytes=None`` relays block by block)."""
+
+    name: str
+    bound_s: Callable[[Sequence[Transfer], int, int, float, int], float]
+    done_s: Callable[[int, int, int, float, int | None, float], float]
+
+
+def _block_steps_bound_s(schedule: Sequence[Transfer], n_blocks: int, total_bytes: int, rate: float,
+                         chunk_bytes: int) -> float:
+    return step_bound_s(schedule_steps(schedule), n_blocks, total_bytes, rate)
+
+
+def _block_steps_done_s(step: int, n_blocks: int, total_bytes: int, bytes_per_s: float, chunk_bytes: int | None,
+                        overhead_s: float) -> float:
+    # Every port busy every step: a node forwards a block only once it holds all of it.
+    return (step + 1) * (total_bytes / n_blocks / bytes_per_s + overhead_s)
+
+
+def _chunk_relay_bound_s(schedule: Sequence[Transfer], n_blocks: int, total_bytes: int, rate: float,
+                         chunk_bytes: int) -> float:
+    # The deepest relay: a node at hop d receives its last block at step n_blocks + d - 2.
+    return chain_bound_s(schedule_steps(schedule) - n_blocks + 2, total_bytes, chunk_bytes, rate)
+
+
+def _chunk_relay_done_s(step: int, n_blocks: int, total_bytes: int, bytes_per_s: float, chunk_bytes: int | None,
+                        overhead_s: float) -> float:
+    # A relay forwards exactly the stream it receives while receiving the next chunk (cut-through):
+    # each hop past the first costs one chunk, not one block (BlitzScale §5.1).
+    block = total_bytes / n_blocks
+    chunk = block if chunk_bytes is None else min(float(chunk_bytes), block)
+    streamed = total_bytes * min(step + 1, n_blocks) / n_blocks
+    return (streamed + max(0, step - n_blocks + 1) * chunk) / bytes_per_s + (step + 1) * overhead_s
+
+
+BLOCK_STEPS = CostModel("block-steps", _block_steps_bound_s, _block_steps_done_s)
+CHUNK_RELAY = CostModel("chunk-relay", _chunk_relay_bound_s, _chunk_relay_done_s)
+
+
+# ---------------------------------------------------------------------------
+# The algorithm registry: the one vocabulary of multicast names
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MulticastPlan:
+    """One algorithm's schedule over nodes 0..N-1, sources 0..k-1 (each holds every block)."""
+
+    algorithm: str  # a name in MULTICAST_ALGORITHMS
+    k: int
+    schedule: list[Transfer]
+
+
+@dataclass(frozen=True)
+class ChoiceCandidate:
+    """One way choose_multicast weighs an algorithm: under ``label`` (its name, or an alias
+    when it weighs the algorithm twice), from one source or from every source (k = min(S, T)).
+    Ties between candidates go to the lower ``prefer``."""
+
+    label: str
+    every_source: bool
+    prefer: int
+
+
+@dataclass(frozen=True)
+class MulticastAlgorithm:
+    """A multicast algorithm: its schedule and what the planner needs to know about it."""
+
+    name: str
+    # (n_nodes, n_blocks, k) -> transfers from sources 0..k-1 to every other node
+    schedule: Callable[[int, int, int], list[Transfer]]
+    multi_source: bool = False  # sends from k sources; otherwise from source 0 whatever k is
+    cost: CostModel = BLOCK_STEPS
+    # (n_nodes, k) -> receiver groups that may serve as execution pipelines while blocks arrive
+    pipeline_groups: Callable[[int, int], list[list[int]]] = receivers_as_one_group
+    candidates: tuple[ChoiceCandidate, ...] = ()  # how choose_multicast weighs it (none: never chosen)
+
+    @cached_property
+    def forms_pipelines(self) -> bool:
+        """Whether its receivers can jointly hold the model before each holds it alone: read off
+        its own schedules for small scale-outs (up to 2 sources, 6 receivers, 6 blocks), so a
+        new algorithm gets execution pipelines by what its schedule does, not by its name."""
+        for k in (1, 2) if self.multi_source else (1,):
+            for n_targets in range(k, 7):
+                for n_blocks in range(1, 7):
+                    n_nodes = k + n_targets
+                    schedule = self.schedule(n_nodes, n_blocks, k)
+                    if holds_jointly_before_alone(schedule, n_nodes, n_blocks, range(k, n_nodes), range(k)):
+                        return True
+        return False
+
+
+def _from_one_source(schedule: Callable[[int, int], list[Transfer]]) -> Callable[[int, int, int], list[Transfer]]:
+    return lambda n_nodes, n_blocks, k: schedule(n_nodes, n_blocks)
+
+
+# Name -> algorithm; the order is the benchmarks' default order. These names are the ones
+# plans, scale-operation records, TransferParts and benchmarks carry
+# (libs.protocol.messages.MulticastAlgorithmName; a test checks they agree).
+MULTICAST_ALGORITHMS: dict[str, MulticastAlgorithm] = {a.name: a for a in (
+    MulticastAlgorithm("star", _from_one_source(star_schedule)),
+    MulticastAlgorithm("binary-tree", _from_one_source(binary_tree_schedule)),
+    MulticastAlgorithm("chain", kway_chain_schedule, multi_source=True, cost=CHUNK_RELAY,
+                       candidates=(ChoiceCandidate("chain", every_source=True, prefer=2),)),
+    MulticastAlgorithm("binomial", kway_schedule, multi_source=True, pipeline_groups=kway_pipeline_groups,
+                       candidates=(ChoiceCandidate("binomial", every_source=False, prefer=0),
+                                   ChoiceCandidate("kway", every_source=True, prefer=1))),
+)}
+
+# Other spellings, accepted wherever a name is read (choose_multicast's labels, the plan
+# benchmark's rows, older records): each resolves to its registered name.
+ALGORITHM_ALIASES: dict[str, str] = {
+    "kway": "binomial",  # λScale's k-way transmission: the binomial pipeline from k sources
+    "k-way": "binomial",
+    "binary_tree": "binary-tree",
+}
+
+
+def multicast_algorithm(name: str) -> MulticastAlgorithm:
+    """The registered algorithm of a name or an alias."""
+    algorithm = MULTICAST_ALGORITHMS.get(ALGORITHM_ALIASES.get(name, name))
+    if algorithm is None:
+        raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(MULTICAST_ALGORITHMS)}")
+    return algorithm
+
+
+def build_plan(algorithm: str, n_nodes: int, n_blocks: int, k: int) -> MulticastPlan:
+    """The schedule of one algorithm (a name or an alias) over nodes 0..N-1, sources 0..k-1;
+    a single-source algorithm sends from source 0 only (k = 1)."""
+    alg = multicast_algorithm(algorithm)
+    k = k if alg.multi_source else 1
+    return MulticastPlan(alg.name, k, alg.schedule(n_nodes, n_blocks, k))
+
+
+def plan_bound_s(plan: MulticastPlan, n_blocks: int, total_bytes: int, rate_bytes_per_s: float,
+                 chunk_bytes: int) -> float:
+    """The time the plan's structure needs at link rate R (its algorithm's cost model)."""
+    return multicast_algorithm(plan.algorithm).cost.bound_s(plan.schedule, n_blocks, total_bytes, rate_bytes_per_s,
+                                                            chunk_bytes)
+
+
+def plan_pipeline_groups(plan: MulticastPlan, n_nodes: int) -> list[list[int]]:
+    """The plan's receiver groups (of two or more) that may serve as execution pipelines while
+    its blocks arrive; none when its algorithm's receivers never jointly hold the model before
+    each holds it alone."""
+    alg = multicast_algorithm(plan.algorithm)
+    if n_nodes - plan.k < 1 or not alg.forms_pipelines:
+        return []
+    return [list(g) for g in alg.pipeline_groups(n_nodes, plan.k) if len(g) >= 2]

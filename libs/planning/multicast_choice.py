@@ -37,10 +37,15 @@ the bound (M/B)·(1 + (steps - b)/b) the multicast benchmark compares with.
   target holds a full copy at M/B + b·overhead; chains never form pipelines
   earlier, since every node holds a prefix of its predecessor's blocks.
 
-First-copy and first-pipeline times of binomial and k-way are read off the
-actual schedules (:mod:`libs.planning.multicast`), with λScale Alg. 2 over
-the plan's sub-groups (for binomial that is one pipeline over all targets).
-Ties go to the other objective, then binomial, k-way, chain.  Heterogeneous
+The candidates are the registry's (:data:`~libs.planning.multicast.MULTICAST_ALGORITHMS`,
+each algorithm's ``candidates``: binomial from one source, binomial from every
+source under λScale's name "kway", chains from every source), and every time is
+read off the schedule the executors would run, timed by the algorithm's cost
+model (block steps; chunk relay for chains).  First-pipeline times come only
+for algorithms whose schedules let receivers jointly hold the model before each
+holds it alone, over their pipeline groups (λScale Alg. 2 over the plan's
+sub-groups; for binomial that is one pipeline over all targets).
+Ties go to the other objective, then binomial, k-way, chain (``prefer``).  Heterogeneous
 links, leaves and interference are what :mod:`libs.planning.chain` handles;
 this model deliberately leaves them out.  Typical outcome: chains finish a
 full scale-out first, k-way gives live capacity first.
@@ -48,32 +53,34 @@ full scale-out first, k-way gives live capacity first.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from libs.planning.multicast import (
-    Transfer,
+    MULTICAST_ALGORITHMS,
+    ChoiceCandidate,
+    MulticastAlgorithm,
     arrival_steps,
-    binomial_schedule,
-    ceil_log2,
-    execution_pipelines,
-    kway_schedule,
-    kway_subgroups,
+    build_plan,
+    multicast_algorithm,
     pipeline_ready_steps,
+    schedule_steps,
 )
 
 __all__ = ["MulticastPrediction", "MulticastChoice", "choose_multicast", "CHOICE_ORDER"]
 
-# The algorithms choose_multicast predicts, in tie-break order.
-CHOICE_ORDER: tuple[str, ...] = ("binomial", "kway", "chain")
+# What choose_multicast weighs: every registered algorithm's candidates, in tie-break order.
+_CANDIDATES: tuple[tuple[MulticastAlgorithm, ChoiceCandidate], ...] = tuple(sorted(
+    ((alg, c) for alg in MULTICAST_ALGORITHMS.values() for c in alg.candidates), key=lambda ac: ac[1].prefer))
+CHOICE_ORDER: tuple[str, ...] = tuple(c.label for _, c in _CANDIDATES)
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # the TCP data plane's relay unit (DESIGN: ≈1 MiB)
 
 
 @dataclass(frozen=True)
 class MulticastPrediction:
-    algorithm: str
-    k: int  # chains for "chain", sub-groups for "kway", 1 for "binomial"
+    algorithm: str  # the candidate's label: a registered name or an alias of one ("kway")
+    k: int  # sources it sends from: chains for "chain", sub-groups for "kway", 1 for "binomial"
     steps: int
     step_s: float
     completion_s: float
@@ -85,7 +92,7 @@ class MulticastPrediction:
 
 @dataclass(frozen=True)
 class MulticastChoice:
-    algorithm: str
+    algorithm: str  # the chosen candidate's label (multicast_algorithm() resolves it)
     k: int
     objective: str  # "live" (earliest capacity) or "completion"
     predictions: dict[str, MulticastPrediction]
@@ -94,13 +101,17 @@ class MulticastChoice:
     def chosen(self) -> MulticastPrediction:
         return self.predictions[self.algorithm]
 
+    def prediction_for(self, algorithm: str, k: int) -> MulticastPrediction | None:
+        """The prediction for a plan of `algorithm` (a name or an alias) from `k` sources; None
+        when no candidate is one (the first in tie-break order where two are)."""
+        name = multicast_algorithm(algorithm).name
+        return next((p for label in CHOICE_ORDER if (p := self.predictions.get(label)) is not None
+                     and multicast_algorithm(label).name == name and p.k == k), None)
 
-def _first_copy_step(schedule: Sequence[Transfer], n_nodes: int, n_blocks: int, sources: Collection[int]) -> int:
-    arr = arrival_steps(schedule, n_nodes, n_blocks, sources)
+
+def _first_copy_step(arr: Sequence[Sequence[int | None]], receivers: Iterable[int]) -> int:
     best: int | None = None
-    for v in range(n_nodes):
-        if v in sources:
-            continue
+    for v in receivers:
         row = arr[v]
         if any(s is None for s in row):
             continue
@@ -137,6 +148,26 @@ def _prediction(
     )
 
 
+def _predict(alg: MulticastAlgorithm, label: str, k: int, n_targets: int, model_bytes: int, n_blocks: int,
+             bytes_per_s: float, step_s: float, step_overhead_s: float, chunk_bytes: int | None
+             ) -> MulticastPrediction:
+    """One candidate's times, read off the schedule the executors would run and timed by the
+    algorithm's cost model."""
+    n_nodes = k + n_targets
+    schedule = build_plan(alg.name, n_nodes, n_blocks, k).schedule
+    steps = schedule_steps(schedule)
+
+    def at(step: int) -> float:  # when what holds after `step` holds
+        return alg.cost.done_s(step, n_blocks, model_bytes, bytes_per_s, chunk_bytes, step_overhead_s)
+
+    arr = arrival_steps(schedule, n_nodes, n_blocks, set(range(k)))
+    first_pipeline_s = None
+    if alg.forms_pipelines:  # Alg. 2's groups (for binomial that is one group of all its targets)
+        first_pipeline_s = at(min(pipeline_ready_steps(schedule, n_blocks, alg.pipeline_groups(n_nodes, k))))
+    return _prediction(label, k, steps, at(steps - 1), at(_first_copy_step(arr, range(k, n_nodes))),
+                       first_pipeline_s, step_s)
+
+
 def choose_multicast(
     n_sources: int,
     n_targets: int,
@@ -148,7 +179,7 @@ def choose_multicast(
     step_overhead_s: float = 0.0,
     chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
 ) -> MulticastChoice:
-    """Predict chain / binomial / k-way for one scale-out and pick one.
+    """Predict every registered candidate (chain / binomial / k-way) for one scale-out and pick one.
 
     ``live=True`` picks the earliest first capacity (ties: earlier
     completion), ``live=False`` the earliest completion (ties: earlier first
@@ -169,50 +200,13 @@ def choose_multicast(
     if chunk_bytes is not None and chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be > 0 or None")
 
-    b = n_blocks
-    block_bytes = model_bytes / b
     bytes_per_s = link_gbps * 1e9 / 8.0
-    step_s = block_bytes / bytes_per_s + step_overhead_s
-
-    def at(step: int) -> float:  # time at which what holds after `step` holds
-        return (step + 1) * step_s
-
-    preds: dict[str, MulticastPrediction] = {}
-
-    # Chain: min(S, T) chains of ⌈T / chains⌉ targets, relayed chunk by chunk.
-    chains = min(n_sources, n_targets)
-    longest = -(-n_targets // chains)
-    g = block_bytes if chunk_bytes is None else min(float(chunk_bytes), block_bytes)
-    chain_steps = b + longest - 1
-    preds["chain"] = _prediction(
-        "chain",
-        chains,
-        chain_steps,
-        (model_bytes + (longest - 1) * g) / bytes_per_s + chain_steps * step_overhead_s,
-        model_bytes / bytes_per_s + b * step_overhead_s,
-        None,
-        step_s,
-    )
-
-    # Binomial: one source, one sub-group; Alg. 2 makes its targets one pipeline.
-    n_nodes = n_targets + 1
-    sched = binomial_schedule(n_nodes, b)
-    steps = b + ceil_log2(n_nodes) - 1
-    pipe = min(pipeline_ready_steps(sched, b, [list(range(1, n_nodes))]))
-    preds["binomial"] = _prediction(
-        "binomial", 1, steps, steps * step_s, at(_first_copy_step(sched, n_nodes, b, {0})), at(pipe), step_s
-    )
-
-    # k-way: k sources, shifted orders, Alg. 2 pipelines across sub-groups.
-    k = min(n_sources, n_targets)
-    n_nodes = n_targets + k
-    sched = kway_schedule(n_nodes, b, k)
-    groups = kway_subgroups(n_nodes, k)
-    pipe = min(pipeline_ready_steps(sched, b, execution_pipelines(groups)))
-    steps = b + ceil_log2(max(len(grp) for grp in groups) + 1) - 1
-    preds["kway"] = _prediction(
-        "kway", k, steps, steps * step_s, at(_first_copy_step(sched, n_nodes, b, set(range(k)))), at(pipe), step_s
-    )
+    step_s = model_bytes / n_blocks / bytes_per_s + step_overhead_s  # one block step
+    preds = {
+        c.label: _predict(alg, c.label, min(n_sources, n_targets) if c.every_source else 1, n_targets, model_bytes,
+                          n_blocks, bytes_per_s, step_s, step_overhead_s, chunk_bytes)
+        for alg, c in _CANDIDATES
+    }
 
     rank = {name: i for i, name in enumerate(CHOICE_ORDER)}
     if live:

@@ -1,7 +1,8 @@
 """Execution pipelines during a multicast (λScale §4.3, Alg. 2): which can serve now, and when they retire.
 
 The receivers of a k-way binomial multicast jointly hold the whole model long before any
-one of them holds it alone. Alg. 2 groups them into pipelines, one node per sub-group (nodes
+one of them holds it alone (any algorithm whose schedule does that gets pipelines:
+:func:`plan_pipelines`). Alg. 2 groups them into pipelines, one node per sub-group (nodes
 in equal positions of differently shifted sub-groups receive complementary chunks first),
 the remaining nodes of a single sub-group forming one pipeline. The planner follows the
 block arrivals and asks :func:`pipelines_to_form` which of those pipelines can serve now,
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from libs.planning.multicast import execution_pipelines, kway_subgroups
+from libs.planning.multicast import MulticastPlan, kway_pipeline_groups, plan_pipeline_groups
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,15 @@ def multicast_pipelines(nodes: Sequence[str], k: int) -> list[tuple[str, ...]]:
     libs.planning.scaleout.plan_nodes): worker ids of each group, in Alg. 2's order."""
     if len(nodes) - k < 1:
         return []
-    groups = [[nodes[i] for i in group] for group in kway_subgroups(len(nodes), k)]
-    return [tuple(p) for p in execution_pipelines(groups)]
+    return [tuple(nodes[i] for i in group) for group in kway_pipeline_groups(len(nodes), k)]
+
+
+def plan_pipelines(plan: MulticastPlan, nodes: Sequence[str]) -> list[tuple[str, ...]]:
+    """The groups of a multicast plan's receivers (worker ids; `nodes` as plan_nodes gives them)
+    that may serve as execution pipelines while its blocks arrive: its algorithm's groups of
+    two or more, for any algorithm whose schedule lets receivers jointly hold the model before
+    each holds it alone (none otherwise: a chain's, a star's, a tree's)."""
+    return [tuple(nodes[i] for i in group) for group in plan_pipeline_groups(plan, len(nodes))]
 
 
 def pipelines_to_form(groups: Sequence[Sequence[str]], holdings: Mapping[str, Collection[int]], n_blocks: int,

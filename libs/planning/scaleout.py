@@ -4,9 +4,10 @@ A deployment's scaling mode decides how its scale-outs move blocks, so the basel
 run in the same system as layercast (:data:`MODES`):
 
 - ``layercast``: the planner's choice (:func:`~libs.planning.multicast_choice.choose_multicast`,
-  earliest serving capacity) among binomial, k-way binomial and chains; while a binomial
-  multicast runs, its receivers serve as execution pipelines (libs.planning.pipelines) and
-  switch to local instances once they hold the whole model;
+  earliest serving capacity) among binomial, k-way binomial and chains; while a multicast
+  whose schedule lets them runs (binomial, k-way), its receivers serve as execution
+  pipelines (libs.planning.pipelines) and switch to local instances once they hold the
+  whole model;
 - ``chain`` (BlitzScale): one chain per source over its share of the targets;
 - ``binomial`` (λScale's multicast, serving only on complete copies: the baseline for
   pipelines): k-way binomial pipeline, k = the number of sources;
@@ -20,7 +21,8 @@ run in the same system as layercast (:data:`MODES`):
 instance ids are the service's: the plans here are deterministic.
 
 Nodes of a multicast plan are numbered 0..N-1 with the k sources first (each holds every
-block); :data:`MULTICAST_ALGORITHMS` names each schedule and its time bound.
+block); :data:`~libs.planning.multicast.MULTICAST_ALGORITHMS` registers each algorithm (its
+schedule, cost model and properties) under the one name plans and records carry.
 """
 
 from __future__ import annotations
@@ -29,19 +31,17 @@ from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+# The registry's names are re-exported: callers plan through this module.
 from libs.planning.multicast import (
-    Transfer,
-    binary_tree_schedule,
-    chain_bound_s,
-    chain_schedule,
-    kway_schedule,
-    kway_subgroups,
-    schedule_steps,
-    star_schedule,
-    step_bound_s,
+    MULTICAST_ALGORITHMS,
+    MulticastAlgorithm,
+    MulticastPlan,
+    build_plan,
+    multicast_algorithm,
+    plan_bound_s,
 )
 from libs.planning.multicast_choice import choose_multicast
-from libs.planning.pipelines import multicast_pipelines
+from libs.planning.pipelines import plan_pipelines
 from libs.planning.placement import Candidate, Held, LiveInstance, full_copies, pick_targets, pick_victims
 from libs.protocol import messages as m
 
@@ -51,73 +51,7 @@ SERVERLESSLLM_KEEP_ALIVE_S = 15.0
 LIVE = (m.InstanceState.loading, m.InstanceState.ready)  # instances a scale decision counts
 
 
-# --- multicast algorithms ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MulticastPlan:
-    algorithm: str
-    k: int  # sources: nodes 0..k-1
-    schedule: list[Transfer]
-    chains: list[list[int]] | None = None  # chain plans: the node runs, sources first
-
-
-@dataclass(frozen=True)
-class MulticastAlgorithm:
-    # (n_nodes, n_blocks, k) -> the plan over nodes 0..N-1, sources 0..k-1
-    plan: Callable[[int, int, int], MulticastPlan]
-    # (plan, n_blocks, total_bytes, rate_bytes_per_s, chunk_bytes) -> seconds its structure needs
-    bound_s: Callable[[MulticastPlan, int, int, float, int], float]
-    multi_source: bool = False  # sends from k sources; otherwise from one whatever k is
-
-
-def _star(n_nodes: int, n_blocks: int, k: int) -> MulticastPlan:
-    return MulticastPlan("star", 1, star_schedule(n_nodes, n_blocks))
-
-
-def _binary_tree(n_nodes: int, n_blocks: int, k: int) -> MulticastPlan:
-    return MulticastPlan("binary-tree", 1, binary_tree_schedule(n_nodes, n_blocks))
-
-
-def _chain(n_nodes: int, n_blocks: int, k: int) -> MulticastPlan:
-    # BlitzScale: one chain per source over its share of the targets.
-    chains = [[i, *group] for i, group in enumerate(kway_subgroups(n_nodes, k))]
-    return MulticastPlan("chain", k, chain_schedule(chains, n_blocks), chains)
-
-
-def _binomial(n_nodes: int, n_blocks: int, k: int) -> MulticastPlan:
-    return MulticastPlan("binomial", k, kway_schedule(n_nodes, n_blocks, k))
-
-
-def _steps_bound_s(plan: MulticastPlan, n_blocks: int, total_bytes: int, rate: float, chunk_bytes: int) -> float:
-    return step_bound_s(schedule_steps(plan.schedule), n_blocks, total_bytes, rate)
-
-
-def _chains_bound_s(plan: MulticastPlan, n_blocks: int, total_bytes: int, rate: float, chunk_bytes: int) -> float:
-    # Chains relay chunk by chunk, not block by block.
-    return max(chain_bound_s(len(c), total_bytes, chunk_bytes, rate) for c in plan.chains or [])
-
-
-# Name -> schedule and bound; the order is the benchmarks' default order.
-MULTICAST_ALGORITHMS: dict[str, MulticastAlgorithm] = {
-    "star": MulticastAlgorithm(_star, _steps_bound_s),
-    "binary-tree": MulticastAlgorithm(_binary_tree, _steps_bound_s),
-    "chain": MulticastAlgorithm(_chain, _chains_bound_s, multi_source=True),
-    "binomial": MulticastAlgorithm(_binomial, _steps_bound_s, multi_source=True),
-}
-
-
-def build_plan(algorithm: str, n_nodes: int, n_blocks: int, k: int) -> MulticastPlan:
-    """The schedule of one algorithm over nodes 0..N-1, sources 0..k-1."""
-    if algorithm not in MULTICAST_ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose from {', '.join(MULTICAST_ALGORITHMS)}")
-    return MULTICAST_ALGORITHMS[algorithm].plan(n_nodes, n_blocks, k)
-
-
-def plan_bound_s(plan: MulticastPlan, n_blocks: int, total_bytes: int, rate_bytes_per_s: float,
-                 chunk_bytes: int) -> float:
-    """The time the plan's structure needs at link rate R."""
-    return MULTICAST_ALGORITHMS[plan.algorithm].bound_s(plan, n_blocks, total_bytes, rate_bytes_per_s, chunk_bytes)
+# --- multicast algorithms (registered in libs.planning.multicast) ---------------------------
 
 
 def plan_nodes(plan: MulticastPlan, sources: Sequence[str], targets: Sequence[str]) -> list[str]:
@@ -145,20 +79,18 @@ def _earliest_capacity(n_sources: int, n_targets: int, model_bytes: int, n_block
                        link_gbps: float) -> tuple[str, int]:
     # λScale's live objective: the earliest serving capacity (a pipeline or a first copy).
     choice = choose_multicast(n_sources, n_targets, model_bytes, n_blocks, link_gbps, live=True)
-    if choice.algorithm == "chain":
-        return "chain", choice.k
-    return "binomial", choice.k if choice.algorithm == "kway" else 1
+    return multicast_algorithm(choice.algorithm).name, choice.k
 
 
 def predicted(plan: MulticastPlan, n_targets: int, model_bytes: int, n_blocks: int,
               link_gbps: float) -> dict[str, float | None]:
     """What the cost model predicts for `plan` (seconds from its first byte): the first
     pipeline, the first complete copy, the last copy (the scale operation records it beside
-    what happened)."""
-    name = "chain" if plan.algorithm == "chain" else "kway" if plan.k > 1 else "binomial"
-    if plan.algorithm not in ("chain", "binomial"):
+    what happened); nothing for an algorithm choose_multicast does not weigh."""
+    choice = choose_multicast(plan.k, n_targets, model_bytes, n_blocks, link_gbps, live=True)
+    p = choice.prediction_for(plan.algorithm, plan.k)
+    if p is None:
         return {}
-    p = choose_multicast(plan.k, n_targets, model_bytes, n_blocks, link_gbps, live=True).predictions[name]
     return {"first_pipeline_s": p.first_pipeline_s, "first_copy_s": p.first_copy_s, "completion_s": p.completion_s}
 
 
@@ -173,8 +105,9 @@ class ModeSpec:
     serve_while_loading: bool = True  # False: stop-the-world, ready once every block is loaded
     fixed_at_min: bool = False  # the instance count is min_instances whatever is asked
     host_keep_alive_on_scale_in: bool = False  # a stopped instance's blocks stay in the host cache a while
-    # A binomial multicast's receivers serve as execution pipelines while the blocks arrive (those
-    # in a pipeline then load stop-the-world: the pipelines are their early capacity, λScale §4.3-4.4).
+    # The multicast's receivers serve as execution pipelines while the blocks arrive, where its
+    # schedule lets them (MulticastAlgorithm.forms_pipelines); those in a pipeline then load
+    # stop-the-world: the pipelines are their early capacity, λScale §4.3-4.4.
     pipelines: bool = False
 
 
@@ -367,9 +300,8 @@ def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[s
     prediction: dict[str, float | None] = {}
     if multicast is not None:
         prediction = predicted(multicast, len(receivers), model.total_bytes, len(model.blocks), link_gbps)
-        if mode_spec(model.scaling_mode).pipelines and multicast.algorithm == "binomial":
-            pipelines = tuple(p for p in multicast_pipelines(plan_nodes(multicast, sources, receivers), multicast.k)
-                              if len(p) >= 2)
+        if mode_spec(model.scaling_mode).pipelines:
+            pipelines = tuple(plan_pipelines(multicast, plan_nodes(multicast, sources, receivers)))
     in_pipeline = {w for p in pipelines for w in p}
     loads = tuple(target_load(model.scaling_mode, w, 0, len(model.blocks),
                               receives=multicast is not None and w in receivers, in_pipeline=w in in_pipeline)

@@ -121,6 +121,10 @@ class BlockInfo(BaseModel):
 # How a deployment scales out (libs.planning.scaleout): layercast's own choice, or a
 # baseline run in the same system.
 ScalingMode = Literal["layercast", "chain", "binomial", "faasnet", "serverlessllm", "static", "ideal"]
+# The multicast algorithms' names (libs.planning.multicast.MULTICAST_ALGORITHMS), as plans,
+# scale-operation records (plan.algorithm) and TransferParts carry them; the registry also
+# reads the aliases it lists ("kway" for binomial from k sources).
+MulticastAlgorithmName = Literal["star", "binary-tree", "chain", "binomial"]
 # The load-monitor's scaling policies (libs.planning.autoscale.POLICIES).
 ScalingPolicy = Literal["threshold", "concurrency", "slo"]
 
@@ -510,7 +514,7 @@ class TransferPart(Message):
     op: Literal["transfer"] = "transfer"
     transfer_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-.:]+$")
     model: str
-    algorithm: str = ""
+    algorithm: str = ""  # a MulticastAlgorithmName, or "gather" (blocks collected from their holders); a label
     blocks: list[BlockInfo] = Field(min_length=1)  # every block the part touches: sizes and checksums
     peers: dict[str, str]  # worker id -> data-plane address, for every peer named in sends/receives
     sends: list[TransferHop] = []

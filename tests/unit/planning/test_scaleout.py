@@ -6,13 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from libs.planning.multicast import validate_schedule
+from libs.planning.multicast import kway_chain_schedule, validate_schedule
 from libs.planning.multicast_choice import CHOICE_ORDER
 from libs.planning.placement import Held, full_copies
 from libs.planning.scaleout import (
     MODES,
     MULTICAST_ALGORITHMS,
     SERVERLESSLLM_KEEP_ALIVE_S,
+    MulticastAlgorithm,
     ScaleIn,
     ScalePlan,
     build_plan,
@@ -163,6 +164,19 @@ def test_a_multicast_mode_sends_from_the_host_copy_to_every_new_target(mode, alg
     assert plan.pipelines == ((("w1", "w2"),) if mode == "layercast" and plan.multicast.algorithm == "binomial"
                               else ())
     assert ("predicted" in record) == (plan.multicast.algorithm in ("binomial", "chain"))
+
+
+def test_execution_pipelines_follow_the_schedule_not_the_algorithms_name(monkeypatch):
+    plan = plan_scale_out(_one_copy_view("layercast"), _request(3))
+    assert plan.multicast.algorithm == "binomial" and plan.pipelines == (("w1", "w2"),)
+    # The same name over a chain's schedule: its receivers never jointly hold the model before
+    # one holds it alone, so no pipeline, and every target serves while it loads.
+    chained = MulticastAlgorithm("binomial", kway_chain_schedule, multi_source=True,
+                                 candidates=MULTICAST_ALGORITHMS["binomial"].candidates)
+    monkeypatch.setitem(MULTICAST_ALGORITHMS, "binomial", chained)
+    plan = plan_scale_out(_one_copy_view("layercast"), _request(3))
+    assert plan.multicast.algorithm == "binomial" and plan.pipelines == ()
+    assert all(t.serve_while_loading for t in plan.loads)
 
 
 def test_serverlessllm_loads_every_target_on_its_own_and_stops_the_world():
