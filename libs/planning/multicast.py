@@ -844,9 +844,12 @@ def plan_bound_s(plan: MulticastPlan, n_blocks: int, total_bytes: int, rate_byte
 
 def plan_pipeline_groups(plan: MulticastPlan, n_nodes: int) -> list[list[int]]:
     """The plan's receiver groups (of two or more) that may serve as execution pipelines while
-    its blocks arrive; none when its algorithm's receivers never jointly hold the model before
-    each holds it alone."""
+    its blocks arrive: those whose members jointly hold the model before each holds it alone in
+    this plan's own schedule (a binomial multicast from one source to two receivers is a chain:
+    its group never forms, so its targets serve while they load instead of waiting for it)."""
     alg = multicast_algorithm(plan.algorithm)
-    if n_nodes - plan.k < 1 or not alg.forms_pipelines:
+    if n_nodes - plan.k < 1 or not alg.forms_pipelines or not plan.schedule:
         return []
-    return [list(g) for g in alg.pipeline_groups(n_nodes, plan.k) if len(g) >= 2]
+    n_blocks = 1 + max(t.block for t in plan.schedule)
+    return [list(g) for g in alg.pipeline_groups(n_nodes, plan.k)
+            if len(g) >= 2 and holds_jointly_before_alone(plan.schedule, n_nodes, n_blocks, g, range(plan.k))]

@@ -160,21 +160,24 @@ def test_a_multicast_mode_sends_from_the_host_copy_to_every_new_target(mode, alg
     assert {k: v for k, v in record.items() if k not in ("pipelines", "predicted")} == {
         "kind": "multicast", "mode": mode, "targets": ["w1", "w2"], "blocks": [0, N_BLOCKS],
         "algorithm": plan.multicast.algorithm, "k": 1, "sources": ["w0"], "receivers": ["w1", "w2"]}
-    # Alg. 2 over one sub-group: its receivers form one pipeline (layercast only, binomial multicasts).
-    assert plan.pipelines == ((("w1", "w2"),) if mode == "layercast" and plan.multicast.algorithm == "binomial"
-                              else ())
+    # From one copy to two receivers every schedule is a chain's (the binomial's too): neither
+    # receiver ever lacks what the other holds, so no pipeline forms and layercast's targets
+    # serve while they load (1 -> 3 forms one: the next test).
+    assert plan.pipelines == ()
     assert ("predicted" in record) == (plan.multicast.algorithm in ("binomial", "chain"))
 
 
 def test_execution_pipelines_follow_the_schedule_not_the_algorithms_name(monkeypatch):
-    plan = plan_scale_out(_one_copy_view("layercast"), _request(3))
-    assert plan.multicast.algorithm == "binomial" and plan.pipelines == (("w1", "w2"),)
+    # Alg. 2 over one sub-group: the three receivers of a binomial multicast form one pipeline.
+    plan = plan_scale_out(_one_copy_view("layercast"), _request(4))
+    assert plan.multicast.algorithm == "binomial" and plan.pipelines == (("w1", "w2", "w3"),)
+    assert not any(t.serve_while_loading for t in plan.loads)
     # The same name over a chain's schedule: its receivers never jointly hold the model before
     # one holds it alone, so no pipeline, and every target serves while it loads.
     chained = MulticastAlgorithm("binomial", kway_chain_schedule, multi_source=True,
                                  candidates=MULTICAST_ALGORITHMS["binomial"].candidates)
     monkeypatch.setitem(MULTICAST_ALGORITHMS, "binomial", chained)
-    plan = plan_scale_out(_one_copy_view("layercast"), _request(3))
+    plan = plan_scale_out(_one_copy_view("layercast"), _request(4))
     assert plan.multicast.algorithm == "binomial" and plan.pipelines == ()
     assert all(t.serve_while_loading for t in plan.loads)
 
