@@ -145,7 +145,8 @@ class ScaleOp:
 
     def record(self) -> m.ScaleOpInfo:
         """The registry record of the operation as it stands."""
-        return self.info.model_copy(update={"state": self.state, "timings": dict(self.timings), "plan": dict(self.plan)})
+        return self.info.model_copy(update={"state": self.state, "timings": dict(self.timings),
+                                            "plan": dict(self.plan)})
 
 
 # --- events (what the planner observes) --------------------------------------------------------------
@@ -697,7 +698,8 @@ def _retire(op: ScaleOp, iid: str, now: float) -> tuple[ScaleOp, list[Effect]]:
     op = _timed(op, **{f"switched:{iid}": now})
     info = _pipeline_info(op.model.name, iid, pipeline, m.InstanceState.draining, now)
     unload = m.UnloadModel(instance_id=iid, drain_timeout_s=0.0, scale_op_id=op.op_id, switched_to=list(switched_to))
-    return op, [Announce(info, "switching to local instances", switched_to), SwitchPipeline(pipeline.workers[0], unload),
+    return op, [Announce(info, "switching to local instances", switched_to),
+                SwitchPipeline(pipeline.workers[0], unload),
                 Trace("pipeline_switched", {"layercast.instance": iid})]
 
 

@@ -51,12 +51,7 @@ BUSY_REPORTS = Counter("layercast_planner_busy_worker_reports_total",
 HELD_BACK = Counter("layercast_planner_scale_ups_held_back_total",
                     "Scale-ups not started: every worker without the model refuses requests as busy", ["model"])
 
-TIMERS = so.Timers()
-# Kept for callers that read them (benchmarks, tests); the operation uses its Timers.
-TRANSFER_STALL_S = TIMERS.transfer_stall_s
-COMMAND_TIMEOUT_S = TIMERS.command_timeout_s
-POOL_CHECK_S = TIMERS.pool_check_s
-POOL_FILL_GRACE_S = TIMERS.pool_fill_grace_s
+TIMERS = so.Timers()  # the periodic checks and deadlines scaleop declares
 
 
 def _new_id(prefix: str) -> str:
@@ -167,8 +162,7 @@ class PlannerService(Service):
     def _store(self, op: so.ScaleOp) -> None:
         """Keep the operation while anything it started needs the planner."""
         if op.settled:
-            self.ops.pop(op.op_id, None)
-            self._records.pop(op.op_id, None)
+            self.ops.pop(op.op_id, None)  # its closing Record (after the first) is still to come
             self._ended[op.op_id] = op.record()
             if len(self._ended) > 100:  # only the last few are read back (reconcile's answer)
                 self._ended.pop(next(iter(self._ended)))

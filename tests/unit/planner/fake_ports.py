@@ -2,6 +2,7 @@
 services.planner.ports.ClusterRegistry): they record what the planner sends and answer as the
 workers and the registry would, so PlannerService runs without NATS."""
 
+import asyncio
 from dataclasses import dataclass, field
 
 from libs.bus.broker import RemoteError
@@ -50,6 +51,7 @@ class InMemoryRegistry:
     ops: dict[str, m.ScaleOpInfo] = field(default_factory=dict)
     heard: list[m.InstanceEvent] = field(default_factory=list)
     unavailable: bool = False
+    record_delays: list[float] = field(default_factory=list)  # the next records' round trips, in order
 
     def __post_init__(self) -> None:
         self.instances = {i.instance_id: i for i in self.view.instances}
@@ -61,6 +63,8 @@ class InMemoryRegistry:
         return self.view.model_copy(update={"instances": list(self.instances.values()), "scale_ops": ops})
 
     async def record(self, op: m.ScaleOpInfo) -> None:
+        if self.record_delays:
+            await asyncio.sleep(self.record_delays.pop(0))
         # As the registry's store does: the record's timings add to those it has collected.
         known = self.ops.get(op.scale_op_id)
         timings = {**(known.timings if known else {}), **op.timings}

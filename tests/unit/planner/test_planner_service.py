@@ -71,6 +71,19 @@ async def test_a_scale_out_sends_parts_then_loads_and_closes_when_every_target_i
     assert record.state == "done" and "done" in record.timings and planner.ops == {}
 
 
+async def test_the_closing_record_goes_after_the_first_however_slow_that_one_is():
+    registry, workers = InMemoryRegistry(_view("serverlessllm"), record_delays=[0.05]), InMemoryWorkers()
+    planner = _planner(registry, workers)
+    task = asyncio.create_task(_scale_out(planner, desired=2))
+    while not workers.of(m.LoadModel):
+        await asyncio.sleep(0)
+    (load,) = _loads(workers).values()
+    await planner.on_instance(_loaded(registry, load, "w1"))  # closes while the first record is on its way
+    op = await task
+    await asyncio.sleep(0.1)
+    assert registry.ops[op.scale_op_id].state == "done"
+
+
 async def test_an_ack_lost_fails_its_target_and_the_operation_still_closes():
     registry, workers = InMemoryRegistry(_view("serverlessllm")), InMemoryWorkers()
     planner = _planner(registry, workers)

@@ -258,7 +258,8 @@ def test_a_restarted_planner_resumes_scale_outs_with_instances_on_their_way_and_
 
     info, pending = so.resume_plan(view)[0]
     op, effects = so.resume(info, pending, _model("binomial"), T0)
-    assert op.waiting() == ["a"] and [(e.worker_id, e.part_id) for e in _of(effects, so.SendLoad)] == [("w1", "a:resume")]
+    assert op.waiting() == ["a"]
+    assert [(e.worker_id, e.part_id) for e in _of(effects, so.SendLoad)] == [("w1", "a:resume")]
     op, effects = so.resume(*so.resume_plan(view)[1], _model("binomial"), T0)
     (record,) = effects
     assert op.state == "aborted" and record.info.state == "aborted" and record.info.error == "the planner restarted"
