@@ -413,7 +413,7 @@ class ScaleOpMachine(RuleBasedStateMachine):
 
     @rule()
     def the_deadline_passes(self):
-        self.now = max(self.now, self.op.opened_at + self.timers.give_up_s)
+        self.now = max(self.now, self.op.opened_at + self.timers.give_up_s + 1e-6)
         self._step(so.Tick())
         assert self.op.ended
 
