@@ -206,3 +206,22 @@ def _no_nats(monkeypatch):
         raise AssertionError("the planner tried to use NATS")
     monkeypatch.setattr(NatsBroker, "publish", refuse)
     monkeypatch.setattr(NatsBroker, "request", refuse)
+
+
+async def test_a_lost_pool_copy_is_re_replicated_onto_a_survivor_when_its_holder_expires():
+    """The unit-level oracle of tests/integration/test_parameter_pool.py: what the planner commands."""
+    view = _view("layercast").model_copy(update={"instances": []})  # w0 holds the only copy, nothing serves
+    registry, workers = InMemoryRegistry(view), InMemoryWorkers()
+    planner = _planner(registry, workers)
+    await planner.check_pool()
+    assert workers.sent == []  # the copy is complete
+    # w0 dies; w2 still holds block 1 in its host tier.
+    survivors = [w if w.worker_id != "w0" else w.model_copy(update={"state": "dead"}) for w in view.workers]
+    held = m.ReplicaInfo(model="m", block_id=1, worker_id="w2", tier=m.Tier.host, state=m.ReplicaState.ready)
+    registry.view = view.model_copy(update={"workers": survivors, "replicas": [held]})
+    await planner.on_worker_expired(m.WorkerExpired(worker_id="w0", last_heartbeat=0.0))
+    (fetch,) = workers.of(m.FetchBlocks)
+    assert fetch.worker_id == "w2" and fetch.cmd.blocks == list(range(N_BLOCKS)) and fetch.cmd.keep
+    assert workers.of(m.TransferPart) == []  # the one held block is w2's own: nothing to gather
+    await planner.on_worker_expired(m.WorkerExpired(worker_id="w0", last_heartbeat=0.0))
+    assert len(workers.of(m.FetchBlocks)) == 1  # within its grace: not sent again
