@@ -764,8 +764,10 @@ def _on_drained(op: ScaleOp, ev: DrainAnswered, now: float, timers: Timers) -> t
 
 # --- the periodic check ------------------------------------------------------------------------------------
 def _on_tick(op: ScaleOp, ev: Tick, now: float, timers: Timers) -> tuple[ScaleOp, list[Effect]]:
+    if op.ended:
+        return _let_go(op, now, timers)
     waiting = op.waiting()
-    if op.state != "running" or not waiting:
+    if not waiting:
         return op, []
     if now - op.opened_at >= timers.give_up_s:
         for iid in waiting:
@@ -775,6 +777,21 @@ def _on_tick(op: ScaleOp, ev: Tick, now: float, timers: Timers) -> tuple[ScaleOp
     if op.model is not None and now - op.checked_at >= timers.check_instances_s:
         return dataclasses.replace(op, checked_at=now), [CheckInstances(tuple(waiting))]
     return op, []
+
+
+def _let_go(op: ScaleOp, now: float, timers: Timers) -> tuple[ScaleOp, list[Effect]]:
+    """An ended operation whose pipelines never reported their end (an answer or an event lost)
+    stops waiting for them `give_up_s` after it ended: their stages are told to stop, so nothing
+    it started is left running and the planner can forget it."""
+    if op.settled or now - op.timings.get("done", now) < timers.give_up_s:
+        return op, []
+    effects: list[Effect] = []
+    for iid, pipeline in {**op.forming, **op.retiring}.items():
+        if iid in op.forming:
+            info = _pipeline_info(op.model.name, iid, pipeline, m.InstanceState.stopped, now)
+            effects.append(Announce(info, "its scale operation ended"))
+        effects.append(_unload_stages(op, iid, pipeline.workers))
+    return dataclasses.replace(op, forming=_frozen({}), retiring=_frozen({})), effects
 
 
 _HANDLERS = {

@@ -188,6 +188,17 @@ def test_a_pipeline_forms_once_its_receivers_jointly_hold_the_model_and_retires_
     assert _of(out, so.UnloadStages)[0].workers == ("w2",) and op.settled
 
 
+def test_an_ended_operation_lets_go_of_a_retiring_pipeline_whose_end_never_came():
+    timers = so.Timers(give_up_s=60.0)
+    op, pid = _serving_pipeline()
+    op, _ = _feed(op, _loaded("i-w1", "w1"), _loaded("i-w2", "w2"), now=T0 + 10)
+    assert op.ended and not op.settled
+    op, out = so.step(op, so.Tick(), T0 + 69, timers)
+    assert out == [] and not op.settled
+    op, out = so.step(op, so.Tick(), T0 + 70, timers)
+    assert [(e.workers, e.unload.instance_id) for e in out] == [(("w1", "w2"), pid)] and op.settled
+
+
 def test_a_stage_worker_lost_fails_its_pipeline_and_its_stages_stop():
     op, pid = _serving_pipeline()
     op, out = _feed(op, so.WorkerLost("w2"))
@@ -410,12 +421,17 @@ class ScaleOpMachine(RuleBasedStateMachine):
         assert self.closings <= 1
         assert self.op.ended == (not self.op.waiting())
         assert not set(self.op.serving) & set(self.op.retiring)
+        assert not (self.op.ended and self.op.serving)  # no pipeline serves past its operation
 
     @rule()
     def the_deadline_passes(self):
         self.now = max(self.now, self.op.opened_at + self.timers.give_up_s + 1e-6)
         self._step(so.Tick())
         assert self.op.ended
+        # and, as long again after it ended, it has let go of the pipelines it started
+        self.now = max(self.now, self.op.timings.get("done", self.now) + self.timers.give_up_s + 1e-6)
+        self._step(so.Tick())
+        assert self.op.settled
 
 
 ScaleOpMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
