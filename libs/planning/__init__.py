@@ -21,6 +21,9 @@ Modules (each cites the paper sections it implements):
   validation, KV watermarks, the memory reservation station, defragmentation order.
 - ``ratelimit`` — per-API-key requests and tokens per minute: ``admit`` / ``settle`` over a
   sliding 60 s window (the gateway's 429s and x-ratelimit-* headers).
+- ``scaleop`` — a scale operation's lifecycle, the planner's ``step(op, event, now)``:
+  parts, loads, pipelines formed and retired, the outcome, resuming after a restart, the
+  pool-fill throttle, the periodic checks it declares (``Timers``).
 
 No I/O, no global state; everything is deterministic.
 """
