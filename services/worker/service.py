@@ -251,7 +251,10 @@ class WorkerService(Service):
         self._tokens_since = 0
         self._busy_refusals = 0  # since the last WorkerMetrics
         self.loading = InstanceLoading(self)
-        self.pipelines = PipelineStages(self)
+        self.pipelines = PipelineStages(
+            config, broker=self.broker, instances=self.instances, blocks_in_engine=self.loading.blocks_in_engine,
+            require_checkpoint=self._require_checkpoint, engine_thread=lambda: self.runtime,
+            transport=lambda: self.transport)
         # Chosen once: the worker calls its strategy and never asks which one it is.
         self.sharing = make_sharing(config, WorkerPorts(
             broker=self.broker, instances=self.instances, requests=self.requests,
