@@ -9,6 +9,7 @@ from libs.planning.mesh import Profile
 from libs.planning.sharing import SHARINGS
 from libs.protocol import messages as m
 from services.worker.loading import Instance
+from services.worker.service import WorkerConfig, WorkerService
 from services.worker.sharing import STRATEGIES, EngineSizing, ExclusiveSharing, MeshSharing, WorkerPorts, make_sharing
 
 
@@ -145,3 +146,11 @@ async def test_mesh_releases_a_charged_instance_with_its_engine_and_only_detache
     await sharing.release(charged, detach)
     assert detach.calls == 1 and charged.engine is None
     assert sharing.memory.available == sharing.memory.capacity
+
+
+def test_the_worker_takes_the_strategy_of_its_sharing_setting():
+    with pytest.raises(ValueError, match="sharing must be one of exclusive, mesh, got 'spread'"):
+        WorkerService(WorkerConfig("w-spread", sharing="spread"))
+    assert isinstance(WorkerService(WorkerConfig("w-exclusive")).sharing, ExclusiveSharing)
+    mesh = WorkerService(WorkerConfig("w-mesh", sharing="mesh", memory_capacity_bytes=1 << 30)).sharing
+    assert isinstance(mesh, MeshSharing) and mesh.memory.capacity == 1 << 30
