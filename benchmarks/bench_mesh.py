@@ -77,9 +77,10 @@ from libs.cluster.launcher import (
     stop_processes,
 )
 from libs.planning.mesh import DEFAULT_TPOT_SLO_S, default_ttft_slo
+from libs.planning.sharing import SHARINGS, sharing_setting
 from libs.protocol import subjects
 
-SETTINGS = ("exclusive", "mesh")
+SETTINGS = tuple(SHARINGS)  # compared by default: every sharing setting
 PRESETS = ("tiny", "small")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Worker metrics that count LLM-Mesh's memory operations, when a worker exports them (summed over
@@ -482,8 +483,7 @@ def median_trial(rows: Sequence[dict]) -> dict:
 
 def run_mesh_benchmark(cfg: MeshBenchConfig, state_dir: Path, log: Callable[[str], None] = _log) -> dict:
     for s in cfg.settings:
-        if s not in SETTINGS:
-            raise ValueError(f"unknown sharing setting {s!r}; choose from {', '.join(SETTINGS)}")
+        sharing_setting(s)
     spec = MeshWorkloadSpec(models=cfg.models, duration_s=cfg.duration_s, target_rps=cfg.target_rps, seed=cfg.seed,
                             zipf_s=cfg.zipf_s, max_prompt_tokens=cfg.max_prompt_tokens,
                             max_output_tokens=cfg.max_output_tokens)

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from libs.admin import admin_request, deploy_model
 from libs.cluster.launcher import ClusterError, ClusterSpec, ClusterState, cluster_status, start_cluster, stop_cluster
+from libs.planning.sharing import sharing_setting
 
 app = typer.Typer(help="layercast: serverless LLM inference by block multicast.", no_args_is_help=True)
 model_app = typer.Typer(help="Create, convert and deploy models.", no_args_is_help=True)
@@ -385,8 +386,10 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
             _fail(f"a cluster is already running from {state_dir} ({existing.gateway_url}); 'layercast down' first")
     except ClusterError:
         pass
-    if sharing not in ("exclusive", "mesh"):
-        _fail(f"--sharing must be exclusive or mesh, got {sharing!r}")
+    try:
+        sharing_setting(sharing)
+    except ValueError as e:
+        _fail(f"--sharing: {e}")
     spec = ClusterSpec(state_dir=state_dir, port=port, api_key=api_key, admin_key=admin_key, workers=workers,
                        nats_url=os.environ.get("NATS_URL"), database_url=os.environ.get("DATABASE_URL"),
                        namespace=os.environ.get("LAYERCAST_NAMESPACE", "layercast"), torch_threads=torch_threads,

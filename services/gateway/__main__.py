@@ -5,10 +5,10 @@ import os
 
 import uvicorn
 
+from libs.planning.sharing import SHARINGS, sharing_setting
 from libs.protocol import subjects
 from libs.telemetry import setup_logging, setup_tracing
 from services.gateway.app import create_app
-from services.gateway.routing import SHARING_MODES
 from services.gateway.service import GatewayConfig, GatewayService
 
 
@@ -37,12 +37,14 @@ def main() -> None:
                    help="how long a registry API key's lookup is trusted (how late a revocation can be)")
     p.add_argument("--max-n", type=int, default=int(env("LAYERCAST_MAX_N", GatewayConfig.max_n)),
                    help="choices (n) per request at most; each takes a KV slot")
-    p.add_argument("--sharing", choices=SHARING_MODES, default=env("LAYERCAST_SHARING", GatewayConfig.sharing),
+    p.add_argument("--sharing", choices=list(SHARINGS), default=env("LAYERCAST_SHARING", GatewayConfig.sharing),
                    help="exclusive: least-loaded routing; mesh (LLM-Mesh, models sharing workers): bin-packing "
                         "routing, and workers may refuse a request as busy")
     a = p.parse_args()
-    if a.sharing not in SHARING_MODES:  # argparse checks choices on the flag, not on a default from the env
-        p.error(f"LAYERCAST_SHARING must be one of {', '.join(SHARING_MODES)}, got {a.sharing!r}")
+    try:  # argparse checks choices on the flag, not on a default from the env
+        sharing_setting(a.sharing)
+    except ValueError as e:
+        p.error(f"LAYERCAST_SHARING: {e}")
     setup_logging("gateway")
     setup_tracing("gateway", subjects.QUIET_SUBJECTS)
     config = GatewayConfig(queue_timeout_s=a.queue_timeout, slots_per_instance=a.slots_per_instance,

@@ -24,10 +24,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from libs.planning.mesh import bin_packing_key
+from libs.planning.sharing import SharingSetting, sharing_setting
 from services.gateway.errors import APIError
 
-SHARING_MODES = ("exclusive", "mesh")
 # How long a refused route stays full at its load with none of its requests ending: long
 # enough not to ask its worker again per request, short against an SLO of seconds.
 REFUSAL_HOLD_S = 0.2
@@ -59,15 +58,14 @@ class ModelRoutes:
     model: str
     max_queue: int
     slots_per_instance: int
-    sharing: str = "exclusive"  # SHARING_MODES: how a request picks its instance
+    sharing: str = "exclusive"  # a name of libs.planning.sharing.SHARINGS: how a request picks its instance
     routes: dict[str, Route] = field(default_factory=dict)
     _waiters: deque[tuple[asyncio.Future, int]] = field(default_factory=deque)  # (waiter, slots it needs)
     arrivals: int = 0
     last_request_at: float | None = None
 
     def __post_init__(self):
-        if self.sharing not in SHARING_MODES:
-            raise ValueError(f"sharing must be one of {', '.join(SHARING_MODES)}, got {self.sharing!r}")
+        self.setting: SharingSetting = sharing_setting(self.sharing)
 
     @property
     def queued(self) -> int:
@@ -103,9 +101,8 @@ class ModelRoutes:
         free = [r for r in self.routes.values() if r.in_flight + self.charge(r, weight) <= r.capacity(now)]
         if not free:
             return None
-        if self.sharing == "mesh":
-            return min(free, key=lambda r: (r.loading, *bin_packing_key(r.device, r.in_flight, r.instance_id)))
-        return min(free, key=lambda r: (r.loading, r.in_flight, r.instance_id))
+        route_key = self.setting.route_key
+        return min(free, key=lambda r: (r.loading, *route_key(r.device, r.in_flight, r.instance_id)))
 
     def _wake(self) -> None:
         while self._waiters:

@@ -18,6 +18,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from transformers import AutoTokenizer
 
 from libs.checkpoint import CheckpointIndex
+from libs.planning.sharing import sharing_setting
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.bus.broker import NoResponders, RemoteError, call, on_event, publish
@@ -25,7 +26,7 @@ from libs.telemetry import tracer
 from services.common.runner import EndedInstances, Service
 from services.gateway.errors import APIError
 from services.gateway.logprobs import TokenLogprob, TokenStrings
-from services.gateway.routing import SHARING_MODES, ModelRoutes, Route
+from services.gateway.routing import ModelRoutes, Route
 from services.gateway.structured import template_renders_tools
 from services.gateway.text import IncrementalDetokenizer, StopMatcher
 
@@ -105,8 +106,7 @@ class GatewayConfig:
     sharing: str = "exclusive"
 
     def __post_init__(self):
-        if self.sharing not in SHARING_MODES:
-            raise ValueError(f"sharing must be one of {', '.join(SHARING_MODES)}, got {self.sharing!r}")
+        sharing_setting(self.sharing)  # an unknown name fails here, at start
 
 
 MAX_HANDOVERS = 2  # per request: a request that loses three instances fails

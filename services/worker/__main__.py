@@ -4,6 +4,7 @@ import argparse
 import os
 import socket
 
+from libs.planning.sharing import SHARINGS
 from libs.transfer.transports import TRANSPORTS
 from services.common.runner import run
 from services.worker.service import WorkerConfig, WorkerService
@@ -49,7 +50,7 @@ def main() -> None:
     p.add_argument("--emulated-link-mbit", type=float, default=float(env("LAYERCAST_EMULATED_LINK_MBIT", "0")),
                    help="emulation without root: pace this worker's block sends to this rate (Mbit/s, tcp); "
                         "0: off")
-    p.add_argument("--sharing", choices=["exclusive", "mesh"], default=env("LAYERCAST_SHARING", "exclusive"),
+    p.add_argument("--sharing", choices=list(SHARINGS), default=env("LAYERCAST_SHARING", WorkerConfig.sharing),
                    help="exclusive: engines step in turn on fixed KV caches; mesh (LLM-Mesh): one headroom "
                         "scheduler over every instance here, admission by shadow validation")
     p.add_argument("--shadow-validation", action=argparse.BooleanOptionalAction,

@@ -29,8 +29,8 @@ from libs.protocol import subjects
 from libs.telemetry import tracer
 
 if TYPE_CHECKING:
-    from services.worker.mesh import KvSizing
     from services.worker.service import WorkerService
+    from services.worker.sharing import EngineSizing
 
 log = logging.getLogger(__name__)
 _tracer = tracer("worker")
@@ -142,15 +142,15 @@ class InstanceLoading:
             loaded_bytes = 0
             arriving = _BlockFutures(wanted)
             building: asyncio.Future | None = None
-            sizing = None
+            sizing: EngineSizing | None = None  # a full load's, as its sharing strategy charged it
             try:
                 index = await asyncio.to_thread(CheckpointIndex.load, cmd.path)
                 for b in wanted:
                     index.block(b)
                 full = (cmd.block_start, cmd.block_end) == (0, index.n_blocks)
-                # sharing=mesh: weights and the smallest KV charged to the memory budget first
-                # (refused: the load fails, nothing allocated); the KV grows with its requests.
-                sizing = await w.mesh.charge_load(iid, index) if full and w.mesh is not None else None
+                # Sized and charged by the sharing strategy first (mesh: weights and the smallest KV
+                # against the memory budget; refused: the load fails, nothing allocated).
+                sizing = await w.sharing.charge_load(iid, index) if full else None
                 plan = choose_block_sources(
                     wanted, in_host={b for b in wanted if (cmd.model, b) in w.cache},
                     arriving={b for b in wanted if (cmd.model, b) in w._incoming},
@@ -171,10 +171,8 @@ class InstanceLoading:
                 # cache allocation, model skeleton) overlaps with the blocks' arrival and copies.
                 building = asyncio.ensure_future(asyncio.to_thread(
                     Engine, index, arriving, device=config.device,
-                    max_batch_size=config.max_batch_size if sizing is None else sizing.ceiling,
-                    max_seq_len=config.max_seq_len,
-                    kv_cache_bytes=config.kv_cache_bytes if sizing is None else sizing.kv_bytes,
-                    max_queue=None if sizing is None else 4 * sizing.ceiling,
+                    max_batch_size=sizing.max_batch_size, max_seq_len=config.max_seq_len,
+                    kv_cache_bytes=sizing.kv_cache_bytes, max_queue=sizing.max_queue,
                     tokenizer_dir=cmd.path)) if full else None
                 remaining = list(wanted)
                 while remaining:
@@ -263,7 +261,7 @@ class InstanceLoading:
                 while pinned:
                     await w._report_evicted(w.cache.unpin(pinned.pop()))
                 if sizing is not None:
-                    await w.mesh.release_load(iid)
+                    await w.sharing.release_load(iid)
                 info = info.model_copy(update={"state": m.InstanceState.stopped if stopped
                                                else m.InstanceState.failed})
                 await publish(w.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=str(e)))
@@ -281,25 +279,20 @@ class InstanceLoading:
         inst.info = inst.info.model_copy(update={"loaded_at": time.time()})
         await publish(self.worker.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=inst.info,
                                                                                    reason="every block loaded"))
-        if self.worker.mesh is not None:
-            self.worker.mesh.ensure_profile(inst)
+        self.worker.sharing.loaded(inst)
 
     async def _attach(self, engine: Engine, info: m.InstanceInfo, cmd: m.LoadModel,
-                      pinned: list[tuple[str, int]], reason: str, sizing: KvSizing | None = None) -> None:
+                      pinned: list[tuple[str, int]], reason: str, sizing: EngineSizing) -> None:
         w = self.worker
         w.runtime.attach(cmd.instance_id, engine)
         # Elastic KV (mesh): the engine starts with few slots; it advertises its ceiling.
-        max_batch = engine.max_batch_size if sizing is None else sizing.ceiling
+        max_batch = sizing.advertised_batch(engine)
         info = info.model_copy(update={"state": m.InstanceState.ready, "ready_at": time.time(),
                                        "max_batch": max_batch, "device": engine.device.type})
         # The instance shares this load's pin list: stopping it releases what has been pinned so far.
         inst = Instance(info=info, path=cmd.path, keys=pinned)
-        if sizing is not None:
-            inst.engine, inst.kv_ceiling = engine, sizing.ceiling
-            inst.kv_slot_bytes, inst.weights_bytes = sizing.slot_bytes, sizing.weights_bytes
         w.instances[cmd.instance_id] = inst
-        if sizing is not None:
-            w.mesh.observe_held()
+        w.sharing.attached(inst, engine, sizing)  # mesh: its engine's KV is elastic from now on
         log.info("instance %s of %s ready (%s)", cmd.instance_id, cmd.model, reason)
         await publish(w.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=reason))
 

@@ -32,10 +32,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+import torch
+from faststream.nats import NatsBroker
 from prometheus_client import Counter, Gauge
 
 from libs.bus.broker import RemoteError, call
@@ -60,10 +63,6 @@ from libs.planning.mesh_profiles import device_kind, profile_from_message, profi
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from services.worker.memory import REFUSALS, MemoryOrchestrator, OutOfMemory
-
-if TYPE_CHECKING:
-    from services.worker.loading import Instance
-    from services.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
 
@@ -144,11 +143,66 @@ class KvSizing:
         return self.slots * self.slot_bytes
 
 
+# --- what the mesh reads of the worker (narrow ports, not the WorkerService) -------------------
+class MeshConfig(Protocol):
+    """The worker settings the mesh reads (WorkerConfig has them)."""
+
+    worker_id: str
+    device: str
+    max_batch_size: int
+    max_seq_len: int
+    kv_cache_bytes: int
+    kv_min_slots: int
+    kv_watermark: float
+    profile_max_len: int
+
+
+class HostedInstance(Protocol):
+    """An instance on this worker as the mesh sees it (services/worker/loading.py's Instance);
+    `engine` and the KV fields are the mesh's own (set when it charged the load)."""
+
+    info: m.InstanceInfo
+    path: str
+    draining: bool
+    engine: Engine | None
+    kv_ceiling: int
+    kv_slot_bytes: int
+    weights_bytes: int
+
+
+class RequestRecord(Protocol):
+    """A request running on this worker, as the mesh sees it."""
+
+    instance_id: str
+    next_index: dict[int, int]  # per choice still running: the KV rows it holds
+    submitted: bool  # handed to the engine: its KV may be there (a resize copies it)
+    admitted: Admitted | None
+
+
+class EngineThread(Protocol):
+    """The worker's engine thread (services/worker/runtime.py's EngineRuntime)."""
+
+    step_times: deque | None
+
+    def call(self, fn: Callable[[], object]) -> asyncio.Future: ...
+
+
 class MeshNode:
-    def __init__(self, worker: WorkerService, validate: bool = True, memory: MemoryOrchestrator | None = None):
-        self.worker = worker
+    def __init__(self, config: MeshConfig, *, broker: NatsBroker, instances: Mapping[str, HostedInstance],
+                 requests: Mapping[str, RequestRecord], engine_thread: Callable[[], EngineThread],
+                 blocks_in_engine: Callable[[str], dict[int, torch.Tensor]], validate: bool = True,
+                 memory: MemoryOrchestrator | None = None):
+        """`instances` and `requests` are the worker's own (read live); `engine_thread` gives the
+        engine thread once the worker has started it; `blocks_in_engine(model)` the blocks its
+        loads made ready (profiles are measured over them)."""
+        self.config = config
+        self.broker = broker
+        self.instances = instances
+        self.requests = requests
+        self.engine_thread = engine_thread
+        self.blocks_in_engine = blocks_in_engine
         self.validate = validate
-        self.kind = device_kind(worker.config.device)
+        self.kind = device_kind(config.device)
         self.profiles: dict[str, Profile] = {}  # model -> its profile on this device kind
         # Models with a ready instance on another worker (from the registry, every
         # ELSEWHERE_REFRESH_S): where a preemption's requests can go on (§7.1).
@@ -157,7 +211,7 @@ class MeshNode:
         self.memory = memory
         # Elastic KV (kv_min_slots >= 1): off, every instance's KV stays at its ceiling, charged
         # once at load, and admission and request ends leave it alone.
-        self.elastic = worker.config.kv_min_slots > 0
+        self.elastic = config.kv_min_slots > 0
         self._shrink_deferred: set[str] = set()  # instances whose shrink found no room for its copy
         self._kv_locks: dict[str, asyncio.Lock] = {}  # instance -> one KV change at a time
         self._kv_slots_seen: set[str] = set()  # instances with a KV_SLOTS sample
@@ -168,7 +222,7 @@ class MeshNode:
     async def charge_load(self, instance_id: str, index: CheckpointIndex) -> KvSizing:
         """Charge a full load's weights and smallest KV to the budget before it allocates
         (OutOfMemory: refused, nothing charged)."""
-        c = self.worker.config
+        c = self.config
         slot_bytes = await asyncio.to_thread(kv_slot_bytes_of, index, c.max_seq_len)
         ceiling = min(c.max_batch_size, c.kv_cache_bytes // slot_bytes)
         if ceiling < 1:
@@ -200,25 +254,25 @@ class MeshNode:
     def _rows(self, instance_id: str, submitted_only: bool = False) -> int:
         """The sequences (choices) this worker's requests run on the instance: the KV slots they
         need (`submitted_only`: those the engine may hold KV of, so a resize copies them)."""
-        return sum(len(r.next_index) for r in self.worker.requests.values()
+        return sum(len(r.next_index) for r in self.requests.values()
                    if r.instance_id == instance_id and (r.submitted or not submitted_only))
 
-    def _kv_target(self, inst: Instance) -> int | None:
-        c = self.worker.config
+    def _kv_target(self, inst: HostedInstance) -> int | None:
+        c = self.config
         iid = inst.info.instance_id
         return kv_fit(inst.engine.kv_slots, self._rows(iid), slot_bytes=inst.kv_slot_bytes,
                       watermark=c.kv_watermark, min_slots=kv_floor(c.kv_min_slots, inst.kv_ceiling),
                       max_slots=inst.kv_ceiling, available=self.memory.available,
                       copies=self._rows(iid, submitted_only=True) > 0)
 
-    async def fit_kv(self, inst: Instance) -> bool:
+    async def fit_kv(self, inst: HostedInstance) -> bool:
         """Admission's last step, with the request registered: grow the instance's KV to hold
         its rows (the watermark's recommendation, else the requirement); False when the budget
         cannot grant it (the request cannot join now)."""
         if inst.engine is None or not self.elastic:  # KV fixed (or a pipeline's): nothing to fit
             return True
         async with self._kv_lock(inst.info.instance_id):
-            if inst.draining or self.worker.instances.get(inst.info.instance_id) is not inst:
+            if inst.draining or self.instances.get(inst.info.instance_id) is not inst:
                 return False
             current = inst.engine.kv_slots
             target = self._kv_target(inst)
@@ -246,12 +300,12 @@ class MeshNode:
 
     async def shrink_kv(self, instance_id: str) -> None:
         """Shrink the instance's KV if the watermark says so."""
-        inst = self.worker.instances.get(instance_id)
+        inst = self.instances.get(instance_id)
         if inst is None or inst.engine is None:
             self._shrink_deferred.discard(instance_id)
             return
         async with self._kv_lock(instance_id):
-            if inst.draining or self.worker.instances.get(instance_id) is not inst:
+            if inst.draining or self.instances.get(instance_id) is not inst:
                 return
             self._shrink_deferred.discard(instance_id)
             target = self._kv_target(inst)
@@ -265,7 +319,7 @@ class MeshNode:
             except Exception:  # noqa: BLE001 - taken back: the cache keeps its size
                 log.warning("shrinking the KV cache of %s failed", instance_id, exc_info=True)
 
-    async def _resize(self, inst: Instance, slots: int) -> None:
+    async def _resize(self, inst: HostedInstance, slots: int) -> None:
         engine, iid = inst.engine, inst.info.instance_id
         old = engine.kv_slots
         # With KV to keep the cache copies it into the new pool, holding both; an empty cache
@@ -282,7 +336,7 @@ class MeshNode:
             return before if live else 0
 
         both = await self.memory.change(
-            f"{iid}:kv", slots * inst.kv_slot_bytes, lambda: self.worker.runtime.call(resize),
+            f"{iid}:kv", slots * inst.kv_slot_bytes, lambda: self.engine_thread().call(resize),
             during=(old + slots) * inst.kv_slot_bytes if copies else None)
         KV_RESIZES.labels(inst.info.model, "up" if slots > old else "down").inc()
         KV_SLOTS.labels(iid).set(slots)
@@ -297,7 +351,7 @@ class MeshNode:
         """What this worker's engines hold now, measured from them (plus `during`: a pool a
         resize held beside the new one); the peak is kept (the OOM check of the tests)."""
         held = during
-        for inst in self.worker.instances.values():
+        for inst in self.instances.values():
             if inst.engine is not None:
                 held += inst.weights_bytes + _kv_nbytes(inst.engine)
         self.held_peak = max(self.held_peak, held)
@@ -307,19 +361,18 @@ class MeshNode:
     # --- admission ------------------------------------------------------------------------------
     def _node(self, now: float) -> list[MeshInstance]:
         """This worker's instances with a profile, each with the requests running there."""
-        w = self.worker
         rows: dict[str, list[RunningRequest]] = {}
-        for rid, req in w.requests.items():
+        for rid, req in self.requests.items():
             if req.admitted is not None and req.next_index:
                 rows.setdefault(req.instance_id, []).extend(req.admitted.rows(rid, req.next_index.values()))
         out = []
-        for iid, inst in w.instances.items():
+        for iid, inst in self.instances.items():
             profile = self.profiles.get(inst.info.model)
             if profile is not None and inst.info.mode == "local":
                 out.append(MeshInstance(iid, inst.info.model, profile, tuple(rows.get(iid, ())), self.kind))
         return out
 
-    def admit(self, inst: Instance, request_id: str, prompt_len: int, n: int, slo: Slo, now: float,
+    def admit(self, inst: HostedInstance, request_id: str, prompt_len: int, n: int, slo: Slo, now: float,
               preempt: bool = True, overdue: bool = False) -> Verdict:
         """Whether a request of `n` choices may join `inst` now (shadow validation, §5.3), and
         if not, whether preempting smaller neighbours makes room (§7.1). `overdue`: it waited
@@ -347,7 +400,7 @@ class MeshNode:
         ADMISSIONS.labels(model, "admitted" if verdict.ok else "preempting" if victims else verdict.case).inc()
         return Verdict(verdict, tuple(v.id for v in victims))
 
-    def growth_stall(self, inst: Instance, n: int) -> float:
+    def growth_stall(self, inst: HostedInstance, n: int) -> float:
         """Seconds the engine thread will spend growing `inst`'s KV cache (copying its live KV
         into a bigger pool) before `n` more rows can run there; 0 when its KV holds them already
         (or is fixed). Shadow validation counts it: every instance's next iteration waits."""
@@ -361,14 +414,14 @@ class MeshNode:
 
     async def refresh_elsewhere(self) -> None:
         """The models served on other workers too, from the registry's view."""
-        view = await call(self.worker.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0),
+        view = await call(self.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0),
                           m.ClusterView, timeout=5.0)
-        me = self.worker.config.worker_id
+        me = self.config.worker_id
         self.elsewhere = frozenset(i.model for i in view.instances
                                    if i.state == m.InstanceState.ready and i.entry_worker != me)
 
     # --- profiles -------------------------------------------------------------------------------
-    def ensure_profile(self, inst: Instance) -> None:
+    def ensure_profile(self, inst: HostedInstance) -> None:
         """Get `inst`'s model profile (registry, else measure) unless known or under way."""
         model = inst.info.model
         if model in self.profiles or model in self._profiling:
@@ -381,12 +434,11 @@ class MeshNode:
         """Fold the steps timed since the last call into the profiles of their models
         (`profile_samples`: mixed steps are left out), and store the refreshed ones; the models
         refreshed."""
-        w = self.worker
         steps: dict[str, list[tuple[int, float, int, int, float]]] = {}
-        times = w.runtime.step_times
+        times = self.engine_thread().step_times
         while times:
             instance_id, shape, seconds = times.popleft()
-            inst = w.instances.get(instance_id)
+            inst = self.instances.get(instance_id)
             if inst is not None and inst.info.mode == "local" and inst.info.model in self.profiles:
                 steps.setdefault(inst.info.model, []).append(
                     (shape.decode_rows, shape.decode_mean_len, shape.prefill_tokens, shape.prefill_rows, seconds))
@@ -399,17 +451,16 @@ class MeshNode:
             self.profiles[model] = refreshed(self.profiles[model], decodes, prefills, REFRESH_RATE)
             REFRESHES.labels(model).inc()
             try:
-                await call(w.broker, subjects.REGISTRY_PROFILE_PUT,
-                           profile_to_message(model, self.kind, self.profiles[model], w.config.worker_id),
+                await call(self.broker, subjects.REGISTRY_PROFILE_PUT,
+                           profile_to_message(model, self.kind, self.profiles[model], self.config.worker_id),
                            m.ModelProfile, timeout=5.0)
             except (TimeoutError, RemoteError) as e:
                 log.warning("could not store the refreshed profile of %s: %s", model, e)
         return models
 
     async def _profile(self, model: str, path: str) -> None:
-        w = self.worker
         try:
-            stored = await call(w.broker, subjects.REGISTRY_PROFILE_GET, m.ProfileRef(model=model, device=self.kind),
+            stored = await call(self.broker, subjects.REGISTRY_PROFILE_GET, m.ProfileRef(model=model, device=self.kind),
                                 m.ModelProfile, timeout=5.0)
             self.profiles[model] = profile_from_message(stored)
             log.info("profile of %s on %s from the registry (measured by %s)", model, self.kind, stored.source)
@@ -425,18 +476,17 @@ class MeshNode:
             return
         self.profiles[model] = profile
         try:
-            await call(w.broker, subjects.REGISTRY_PROFILE_PUT,
-                       profile_to_message(model, self.kind, profile, w.config.worker_id), m.ModelProfile, timeout=5.0)
+            await call(self.broker, subjects.REGISTRY_PROFILE_PUT,
+                       profile_to_message(model, self.kind, profile, self.config.worker_id), m.ModelProfile, timeout=5.0)
         except (TimeoutError, RemoteError) as e:
             log.warning("could not store the profile of %s: %s", model, e)
 
     async def _measure(self, model: str, path: str) -> Profile:
         """Measure on the engine thread (between steps: the numbers are what serving sees, and
         profiling never races the engines for the cores), over the blocks already in engine memory."""
-        w = self.worker
-        c = w.config
+        c = self.config
         index = await asyncio.to_thread(CheckpointIndex.load, path)
-        blocks = w.loading.blocks_in_engine(model)
+        blocks = self.blocks_in_engine(model)
         max_len = max(1, min(c.profile_max_len, c.max_seq_len - PROFILE_REPEATS - 2))
 
         def make_engine(max_batch: int, max_seq_len: int) -> Engine:
@@ -444,7 +494,7 @@ class MeshNode:
                           kv_cache_bytes=1 << 62)
 
         started = time.monotonic()
-        measure = lambda: w.runtime.call(lambda: measure_profile(make_engine, max_len, c.max_batch_size,  # noqa: E731
+        measure = lambda: self.engine_thread().call(lambda: measure_profile(make_engine, max_len, c.max_batch_size,  # noqa: E731
                                                                  PROFILE_REPEATS))
         if self.memory is None:
             profile = await measure()

@@ -14,17 +14,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, MutableMapping
+from typing import Protocol
+
+import torch
+from faststream.nats import NatsBroker
 
 from libs.bus.broker import DomainError, publish
 from libs.checkpoint import CheckpointIndex
 from libs.engine import Engine, LayerRange, RemoteStage, StageServer, budgeted_stage
 from libs.protocol import messages as m
 from libs.protocol import subjects
+from libs.transfer.base import Transport
 from services.worker.loading import Instance
-
-if TYPE_CHECKING:
-    from services.worker.service import WorkerService
 
 log = logging.getLogger(__name__)
 
@@ -37,33 +39,61 @@ def stage_id(instance_id: str, index: int) -> str:
     return f"{instance_id}/{index}"
 
 
+class StageConfig(Protocol):
+    """The worker settings a pipeline's stages are built with (WorkerConfig has them)."""
+
+    worker_id: str
+    device: str
+    max_batch_size: int
+    max_seq_len: int
+    kv_cache_bytes: int
+
+
+class EngineAttach(Protocol):
+    """The worker's engine thread, as an entry stage's engine joins it (EngineRuntime)."""
+
+    def attach(self, instance_id: str, engine: Engine) -> None: ...
+
+
 class PipelineStages:
-    def __init__(self, worker: WorkerService):
-        self.worker = worker
+    def __init__(self, config: StageConfig, *, broker: NatsBroker, instances: MutableMapping[str, Instance],
+                 blocks_in_engine: Callable[[str], dict[int, torch.Tensor]],
+                 require_checkpoint: Callable[[str], None], engine_thread: Callable[[], EngineAttach],
+                 transport: Callable[[], Transport]):
+        """`instances`: the worker's (an entry stage's pipeline joins them); `blocks_in_engine(model)`:
+        the blocks its loads made ready (stages run over them); `require_checkpoint(path)` raises
+        when this worker cannot read the checkpoint; `engine_thread` and `transport` give the
+        worker's once it has started them."""
+        self.config = config
+        self.broker = broker
+        self.instances = instances
+        self.blocks_in_engine = blocks_in_engine
+        self.require_checkpoint = require_checkpoint
+        self.engine_thread = engine_thread
+        self.transport = transport
         self.server: StageServer | None = None
         self.hosted: dict[str, list[str]] = {}  # pipeline instance -> stage ids hosted here
 
     def _server(self) -> StageServer:
         if self.server is None:
-            self.server = StageServer(self.worker.transport, {})
+            self.server = StageServer(self.transport(), {})
         return self.server
 
     async def start(self, op: m.StartPipeline) -> m.CommandAck:
-        w = self.worker
-        me = w.config.worker_id
+        c = self.config
+        me = c.worker_id
         index = next((i for i, s in enumerate(op.stages) if s.worker_id == me), None)
         if index is None:
             raise DomainError(f"{me} runs no stage of pipeline {op.instance_id}")
-        if op.instance_id in self.hosted or op.instance_id in w.instances:
+        if op.instance_id in self.hosted or op.instance_id in self.instances:
             return m.CommandAck(accepted=True, detail="already serving")
         stage = op.stages[index]
-        blocks = w.loading.blocks_in_engine(op.model)
+        blocks = self.blocks_in_engine(op.model)
         missing = [b for b in range(stage.block_start, stage.block_end) if b not in blocks]
         if missing:
             raise DomainError(f"{me} does not hold blocks {missing} of {op.model} in engine memory", code="conflict")
-        w._require_checkpoint(op.path)
+        self.require_checkpoint(op.path)
         checkpoint = await asyncio.to_thread(CheckpointIndex.load, op.path)
-        c = w.config
 
         def build_local():
             model = LayerRange(checkpoint, {b: blocks[b] for b in range(stage.block_start, stage.block_end)},
@@ -79,18 +109,18 @@ class PipelineStages:
             log.info("pipeline %s: stage %d (blocks [%d, %d)) served here", op.instance_id, index,
                      stage.block_start, stage.block_end)
             return m.CommandAck(accepted=True, detail=f"stage {index} hosted")
-        remotes = [RemoteStage(w.transport, s.worker_id, op.peers[s.worker_id], stage_id(op.instance_id, i),
+        remotes = [RemoteStage(self.transport(), s.worker_id, op.peers[s.worker_id], stage_id(op.instance_id, i),
                                slots=local.slots, timeout_s=STAGE_TIMEOUT_S)
                    for i, s in enumerate(op.stages) if i > 0]
         engine = Engine(checkpoint, device=c.device, max_batch_size=c.max_batch_size, max_seq_len=c.max_seq_len,
                         stages=[local, *remotes], tokenizer_dir=op.path)
-        w.runtime.attach(op.instance_id, engine)
+        self.engine_thread().attach(op.instance_id, engine)
         now = time.time()
         info = m.InstanceInfo(instance_id=op.instance_id, model=op.model, mode="pipeline", stages=op.stages,
                               state=m.InstanceState.ready, created_at=now, ready_at=now, loaded_at=now,
                               scale_op_id=op.scale_op_id, max_batch=engine.max_batch_size)
-        w.instances[op.instance_id] = Instance(info=info, path=op.path, keys=[])
-        await publish(w.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(
+        self.instances[op.instance_id] = Instance(info=info, path=op.path, keys=[])
+        await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(
             instance=info, reason=f"execution pipeline of {len(op.stages)} stages serving"))
         log.info("pipeline %s of %s serving: %s", op.instance_id, op.model,
                  ", ".join(f"{s.worker_id}[{s.block_start},{s.block_end})" for s in op.stages))

@@ -42,10 +42,10 @@ from libs.transfer.transports import make_transport
 from services.common.runner import Service
 from services.worker.host_cache import HostBlockCache
 from services.worker.loading import Instance, InstanceLoading
-from services.worker.memory import MemoryOrchestrator
-from services.worker.mesh import ELSEWHERE_REFRESH_S, PREEMPTIONS, Admitted, MeshNode, Slo
+from services.worker.mesh import PREEMPTIONS, Admitted
 from services.worker.pipelines import PipelineStages
 from services.worker.runtime import EngineRuntime
+from services.worker.sharing import WorkerPorts, make_sharing
 from services.worker.transfers import TransferAgent
 
 log = logging.getLogger(__name__)
@@ -104,9 +104,10 @@ class WorkerConfig:
     emulated_host_to_device_mbit: float = 0.0
     # Emulation without root (tests): this worker's block sends leave at most at this rate (tcp).
     emulated_link_mbit: float = 0.0
-    # The cluster's sharing setting. "exclusive": engines step in turn, fixed KV. "mesh" (LLM-Mesh):
-    # one headroom-driven schedule over every instance here, admission by shadow validation
-    # against profiled iteration times (off: `shadow_validation`).
+    # The cluster's sharing setting (libs/planning/sharing.py; its strategy: services/worker/sharing.py).
+    # "exclusive": engines step in turn, fixed KV. "mesh" (LLM-Mesh): one headroom-driven schedule
+    # over every instance here, admission by shadow validation against profiled iteration times
+    # (off: `shadow_validation`).
     sharing: str = "exclusive"
     shadow_validation: bool = True
     # With shadow validation: a refused request may preempt smaller instances here whose
@@ -227,12 +228,7 @@ class WorkerService(Service):
 
     def __init__(self, config: WorkerConfig, nats_url: str | None = None):
         super().__init__(nats_url)
-        if config.sharing not in ("exclusive", "mesh"):
-            raise ValueError(f"sharing must be 'exclusive' or 'mesh', got {config.sharing!r}")
         self.config = config
-        # sharing=mesh: every change of the engines' memory goes through the orchestrator (§6.3)
-        self.memory = MemoryOrchestrator(memory_capacity(config)) if config.sharing == "mesh" else None
-        self.mesh = MeshNode(self, config.shadow_validation, self.memory) if config.sharing == "mesh" else None
         self.cache = HostBlockCache(config.host_capacity_bytes, config.host_cache_models)
         self.loader = BlockLoader(config.device, LoaderConfig(chunk_bytes=config.load_chunk_bytes,
                                                               threads=config.load_threads))
@@ -255,7 +251,15 @@ class WorkerService(Service):
         self._tokens_since = 0
         self._busy_refusals = 0  # since the last WorkerMetrics
         self.loading = InstanceLoading(self)
-        self.pipelines = PipelineStages(self)
+        self.pipelines = PipelineStages(
+            config, broker=self.broker, instances=self.instances, blocks_in_engine=self.loading.blocks_in_engine,
+            require_checkpoint=self._require_checkpoint, engine_thread=lambda: self.runtime,
+            transport=lambda: self.transport)
+        # Chosen once: the worker calls its strategy and never asks which one it is.
+        self.sharing = make_sharing(config, WorkerPorts(
+            broker=self.broker, instances=self.instances, requests=self.requests,
+            engine_thread=lambda: self.runtime, blocks_in_engine=self.loading.blocks_in_engine,
+            memory_capacity=lambda: memory_capacity(config)))
         # One handler per member of m.WorkerCommand.
         self._handlers: dict[type, Callable[..., Awaitable[m.CommandAck]]] = {
             m.TransferPart: self._on_transfer_part,
@@ -307,7 +311,7 @@ class WorkerService(Service):
             self.loader.arena = await asyncio.to_thread(HostArena, self.config.host_arena_bytes, pin)
             log.info("host arena of %d bytes reserved for block buffers", self.loader.arena.capacity_bytes)
         self.runtime = EngineRuntime(asyncio.get_running_loop(), self._on_outputs, self._on_engine_failure,
-                                     schedule="headroom" if self.mesh is not None else "turns")
+                                     schedule=self.sharing.schedule)
         self.runtime.start()
         self.transport = self._make_transport(asyncio.get_running_loop())
         self.transfers = TransferAgent(self.broker, self.transport, self.config.worker_id, _HostTierBlocks(self))
@@ -331,10 +335,8 @@ class WorkerService(Service):
         self.spawn(self.every(self.config.heartbeat_interval_s, self._heartbeat, "heartbeat", first_now=True))
         # Beside the first commands, not before registering: a cluster comes up no later for it.
         self.spawn(self._warm_up())
-        if self.mesh is not None and self.mesh.validate and self.config.preemption:
-            self.spawn(self.every(ELSEWHERE_REFRESH_S, self.mesh.refresh_elsewhere, "models served elsewhere"))
-        if self.mesh is not None and self.config.profile_refresh_s > 0:
-            self.spawn(self.every(self.config.profile_refresh_s, self.mesh.refresh_profiles, "profile refresh"))
+        for period, refresh, what in self.sharing.periodic():
+            self.spawn(self.every(period, refresh, what))
 
     async def _warm_up(self) -> None:
         """transformers' first-use costs paid now, not by the first instance (libs/engine warm_up)."""
@@ -430,11 +432,7 @@ class WorkerService(Service):
             # in flight finish instead (the detach waits for it; a stage gone meanwhile fails it
             # at its timeout).
             self.runtime.abort_remote_stages(inst.info.instance_id, reason)
-        if inst.engine is not None:  # mesh: its memory is released as the engine goes
-            await self.mesh.release_load(inst.info.instance_id, lambda: self.runtime.detach(inst.info.instance_id))
-            inst.engine = None
-        else:
-            await self.runtime.detach(inst.info.instance_id)
+        await self.sharing.release(inst, lambda: self.runtime.detach(inst.info.instance_id))
         self.instances.pop(inst.info.instance_id, None)
         released = list(inst.keys)
         while inst.keys:
@@ -486,8 +484,7 @@ class WorkerService(Service):
                 req.span.set_attribute("layercast.completion_tokens", req.sent)
                 req.span.end()
                 del self.requests[request_id]
-                if self.mesh is not None:
-                    self.spawn(self.mesh.request_ended(instance_id))  # KV shrinks lazily, by the watermark
+                self.spawn(self.sharing.request_ended(instance_id))  # mesh: KV shrinks lazily, by the watermark
 
     def _preempt(self, instance_id: str, by: str) -> None:
         """§7.1: end every request of `instance_id` here with a `preempted` error event; the
@@ -508,7 +505,7 @@ class WorkerService(Service):
             PREEMPTIONS.labels(req.model).inc()
             self.spawn(publish(self.broker, req.reply_subject, ev))
         log.info("instance %s preempted by %s", instance_id, by)
-        self.spawn(self.mesh.request_ended(instance_id))  # its KV shrinks lazily, as when requests end
+        self.spawn(self.sharing.request_ended(instance_id))  # its KV shrinks lazily, as when requests end
 
     def _require_checkpoint(self, path: str) -> None:
         if not os.path.isdir(path):
@@ -616,21 +613,14 @@ class WorkerService(Service):
                 raise DomainError(f"attempt {req.attempt} of request {req.request_id} was cancelled", code="conflict")
             # The choices to run, and the index of each one's next token.
             choices = req.choices or ({0: req.generated_ids} if s.n == 1 else {c: [] for c in range(s.n)})
-            admitted = None
-            if self.mesh is not None:
-                # No await from here to the registration below: the next request is validated
-                # against a node that includes this one.
-                now, slo = time.monotonic(), Slo.of(req)
-                verdict = self.mesh.admit(inst, req.request_id, len(req.prompt_ids) + min(map(len, choices.values())),
-                                          len(choices), slo, now, preempt=self.config.preemption,
-                                          overdue=req.queued_s > slo.ttft_s)
-                if not verdict.ok:
-                    v = verdict.validation
-                    raise self._busy(f"{wid} cannot take it within its SLOs now ({v.case}: {v.detail})")
-                for victim in verdict.preempt:
-                    self._preempt(victim, by=req.instance_id)
-                resumed = bool(req.generated_ids) or any(req.choices.values())
-                admitted = Admitted(req.instance_id, now, len(req.prompt_ids), slo, movable=not resumed)
+            # No await from here to the registration below: the next request is admitted against
+            # a worker that includes this one.
+            admission = self.sharing.admit(inst, req, choices, time.monotonic())
+            if not admission.ok:
+                raise self._busy(f"{wid} cannot take it within its SLOs now ({admission.why})")
+            for victim in admission.preempt:
+                self._preempt(victim, by=req.instance_id)
+            admitted = admission.admitted
             span = _tracer.start_span("worker.generate", attributes={
                 "layercast.model": req.model, "layercast.worker": wid, "layercast.instance": req.instance_id,
                 "layercast.prompt_tokens": len(req.prompt_ids)})
@@ -642,7 +632,7 @@ class WorkerService(Service):
                                   next_index={c: len(ids) for c, ids in choices.items()}, admitted=admitted,
                                   attempt=req.attempt)
             self.requests[req.request_id] = registered
-            if self.mesh is not None and not await self.mesh.fit_kv(inst):
+            if not await self.sharing.fit_kv(inst):
                 # Validated and registered, but its KV cannot be granted now (§6.4): busy, as a
                 # refusal by validation, so the gateway tries elsewhere or waits.
                 if self.requests.get(req.request_id) is registered:
@@ -688,6 +678,5 @@ class WorkerService(Service):
                 self.runtime.cancel(req.instance_id, ev.request_id)
                 req.span.set_attribute("layercast.cancelled", True)
                 req.span.end()
-                if self.mesh is not None:
-                    self.spawn(self.mesh.request_ended(req.instance_id))
+                self.spawn(self.sharing.request_ended(req.instance_id))
 

@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from libs.planning.sharing import sharing_setting
+
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 OVERLAYS = ["dev", "prod", "prod-managed"]
@@ -147,7 +149,7 @@ def test_prod_workers_get_one_gpu_each_and_dev_workers_none():
 @pytest.mark.parametrize("overlay", ["dev", "prod"])
 def test_the_sharing_setting_reaches_workers_and_gateway(overlay):
     objs = objects(overlay)
-    assert config(objs)["LAYERCAST_SHARING"] in ("exclusive", "mesh")
+    sharing_setting(config(objs)["LAYERCAST_SHARING"])  # a known setting (ValueError otherwise)
     for name in ("worker", "gateway"):
         kind = "StatefulSet" if name == "worker" else "Deployment"
         [container] = find(objs, kind, name)["spec"]["template"]["spec"]["containers"][:1]

@@ -19,10 +19,6 @@ PACKAGES = ("libs", "services", "benchmarks")
 KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {
     # The worker's parts hold the service itself (issue 37, item 3: narrow ports instead).
     ("services.worker.loading", "services.worker.service"): "WorkerService back-pointer (TYPE_CHECKING)",
-    ("services.worker.mesh", "services.worker.service"): "WorkerService back-pointer (TYPE_CHECKING)",
-    ("services.worker.pipelines", "services.worker.service"): "WorkerService back-pointer (TYPE_CHECKING)",
-    # loading -> mesh -> loading: loading's KvSizing hint, gone with the Sharing strategy (item 4).
-    ("services.worker.loading", "services.worker.mesh"): "KvSizing (TYPE_CHECKING)",
 }
 
 
