@@ -31,6 +31,7 @@ from libs.checkpoint.fastload import (
     host_buffer,
 )
 from libs.engine import SamplingParams, TokenOutput, grammar_tokenizer, warm_up
+from libs.planning import instance as lifecycle
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.bus.broker import DomainError, call, on_event, publish, rpc
@@ -40,7 +41,6 @@ from libs.transfer.base import Transport, TransferError
 from libs.transfer.transports import make_transport
 from services.common.runner import Service
 from services.worker.host_cache import HostBlockCache
-from libs.planning import instance as lifecycle
 from services.worker.loading import Instance, InstanceLoading
 from services.worker.memory import MemoryOrchestrator
 from services.worker.mesh import ELSEWHERE_REFRESH_S, PREEMPTIONS, Admitted, MeshNode, Slo
