@@ -58,6 +58,7 @@ ENDED = frozenset({Phase.stopped, Phase.failed})
 
 NOT_HERE = "not here"  # Answer.detail of an unload of an instance this worker does not have
 UNLOADED_WHILE_LOADING = "unloaded by planner while loading"
+LOAD_ENDED_EARLY = "the load ended before every block was in engine memory"
 
 
 @dataclass(frozen=True)
@@ -392,6 +393,9 @@ def _maybe_serve(s: Lifecycle) -> tuple[Lifecycle, list[Effect]]:
 
 
 def _load_finished(s: Lifecycle, ev: LoadFinished) -> tuple[Lifecycle, list[Effect]]:
+    if s.phase in (Phase.loading, Phase.serving_while_loading, Phase.cancelling):
+        # Ended without every block in (or without its engine): nothing else would end it.
+        return _load_failed(s, LoadFailed(LOAD_ENDED_EARLY))
     return replace(s, load_running=False, disk_jobs=frozenset()), [CancelRead(j) for j in sorted(s.disk_jobs)]
 
 

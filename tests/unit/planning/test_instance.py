@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from libs.planning.instance import (
+    LOAD_ENDED_EARLY,
     NOT_HERE,
     UNLOADED_WHILE_LOADING,
     Answer,
@@ -232,6 +233,15 @@ def test_a_pipeline_entry_that_loses_a_stage_fails_without_waiting_on_it():
     assert step(s, StagePeerLost("y"))[1] == []
 
 
+def test_a_load_that_ends_before_serving_fails_instead_of_staying_loading():
+    s, _ = run(loading(), BlockInHost(0), BlockInEngine(0))
+    s, effects = step(s, LoadFinished())
+    assert effects == [EvictFromEngine((0,)), ReleasePins((0,)), ReportStopped(True, LOAD_ENDED_EARLY)]
+    assert s.forgettable
+    s, _ = run(loading(), UnloadAsked())
+    assert step(s, LoadFinished())[1] == [ReportStopped(False, LOAD_ENDED_EARLY)]
+
+
 def test_a_late_event_of_a_loaded_instance_does_not_end_anything():
     s, _ = run(loading(), *(BlockInEngine(b) for b in BLOCKS), EngineBuilt())
     assert s.phase is Phase.serving and s.load_running
@@ -408,6 +418,26 @@ class InstanceLifecycle(RuleBasedStateMachine):
             assert self.s.attached
         if self.s.attached:
             assert self.s.phase in (Phase.serving_while_loading, Phase.serving, Phase.draining)
+
+
+    def teardown(self):
+        """Whatever came last, once its reads' starts come back, its drain and its load task end,
+        nothing is held and an unloaded instance has said it stopped, exactly once."""
+        unloaded, kind, reports = self.unloaded, self.s.kind, self.stop_reports
+        effects = []
+        for job in sorted(self.unstarted):
+            self.unstarted.discard(job)
+            self.reading.add(job)
+            effects += self.feed(DiskReadStarted(job))
+        if self.s.phase is Phase.draining:
+            effects += self.feed(Drained())
+        if self.s.load_running:
+            effects += self.feed(LoadFailed("ended"))
+        if self.s.phase is Phase.draining:
+            effects += self.feed(Drained())
+        assert not self.pinned and not self.reading
+        if unloaded and kind != "stage":
+            assert reports + len(of(effects, ReportStopped)) == 1
 
 
 InstanceLifecycle.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
