@@ -190,6 +190,8 @@ class InstanceLoading:
         the next event); the effects are for run()."""
         before = self.lifecycles.get(instance_id) or Lifecycle(instance_id)
         after, effects = lifecycle.step(before, event)
+        if before.serving and not after.serving and (inst := self.instances.get(instance_id)) is not None:
+            inst.draining = True  # refused by generate from this step on, not from when its drain runs
         if after.phase is lifecycle.Phase.absent or after.forgettable:
             self.lifecycles.pop(instance_id, None)
         else:

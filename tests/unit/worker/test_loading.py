@@ -213,6 +213,7 @@ async def test_an_unload_racing_a_load_that_serves_early_drains_it_and_stops_it_
         assert w.events.reasons("i-race")[-1] == "serving, rest loading"
         answer = await w.unload("i-race", keep_alive_s=0.5)
         assert answer == lifecycle.Answer(True, "draining")
+        assert w.instances["i-race"].draining  # takes no request from the unload on
         await w.until(lambda: m.InstanceState.stopped in w.events.states("i-race"))
         assert "i-race" not in w.instances and "i-race" not in w.runtime._engines
         assert "i-race" in w.loading.loads_unloaded()  # its load task waits for a block still
