@@ -16,6 +16,8 @@ Modules (each cites the paper sections it implements):
   ``decide`` / ``plan_scale_out`` / ``plan_scale_in``.
 - ``pool`` — the parameter pool (BlitzScale §5.3): which workers get which blocks back.
 - ``placement`` — target and victim selection (locality first).
+- ``instance`` — a worker's instance lifecycle: ``step(lifecycle, event) -> (lifecycle, effects)``
+  (loading, serving while loading, serving, pipeline stage, draining, stopped, failed).
 - ``block_sources`` — where a worker takes each block from: host tier, a transfer, disk.
 - ``mesh`` — LLM-Mesh (many models on shared workers): profiles, headroom order, shadow
   validation, KV watermarks, the memory reservation station, defragmentation order.

@@ -28,10 +28,10 @@ from libs.checkpoint.fastload import (
     DEFAULT_THREADS,
     BlockLoader,
     LoaderConfig,
-    LoadJob,
     host_buffer,
 )
 from libs.engine import SamplingParams, TokenOutput, grammar_tokenizer, warm_up
+from libs.planning import instance as lifecycle
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.bus.broker import DomainError, call, on_event, publish, rpc
@@ -127,6 +127,43 @@ class WorkerConfig:
     memory_capacity_bytes: int = 0
     kv_watermark: float = 0.2
     kv_min_slots: int = 0
+
+
+def fold_bandwidth(bandwidths_gbps: dict[str, float], link: str, nbytes: int, seconds: float) -> None:
+    """Fold one measured transfer into the link's moving average (reported with heartbeats)."""
+    if nbytes <= 0 or seconds <= 0:
+        return
+    measured = nbytes / seconds / 1e9
+    old = bandwidths_gbps.get(link)
+    new = measured if old is None else (1 - BANDWIDTH_EWMA_ALPHA) * old + BANDWIDTH_EWMA_ALPHA * measured
+    bandwidths_gbps[link] = new
+    LOAD_BANDWIDTH.labels(link).set(new * 1e9)
+
+
+class BusEvents:
+    """The worker's WorkerEvents port on NATS: instance and block events, the bandwidths it measured."""
+
+    def __init__(self, broker, worker_id: str, bandwidths_gbps: dict[str, float]):
+        self.broker = broker
+        self.worker_id = worker_id
+        self.bandwidths_gbps = bandwidths_gbps
+
+    async def instance(self, info: m.InstanceInfo, reason: str, switched_to=()) -> None:
+        await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=reason,
+                                                                            switched_to=list(switched_to)))
+
+    async def block(self, model: str, block_id: int, tier: m.Tier, state: m.ReplicaState, nbytes: int = 0,
+                    seconds: float = 0.0, scale_op_id: str | None = None) -> None:
+        await publish(self.broker, subjects.EVENT_BLOCK, m.BlockEvent(
+            model=model, block_id=block_id, worker_id=self.worker_id, tier=tier, state=state,
+            nbytes=nbytes, seconds=seconds, scale_op_id=scale_op_id))
+
+    async def evicted(self, keys) -> None:
+        for model, block_id in keys:
+            await self.block(model, block_id, m.Tier.host, m.ReplicaState.evicted)
+
+    def bandwidth(self, link: str, nbytes: int, seconds: float) -> None:
+        fold_bandwidth(self.bandwidths_gbps, link, nbytes, seconds)
 
 
 def memory_capacity(c: WorkerConfig) -> int:
@@ -240,9 +277,6 @@ class WorkerService(Service):
         self.transport: Transport | None = None
         self.transfers: TransferAgent | None = None
         self._registered = False
-        self._loading: set[str] = set()
-        self._unload_asked: set[str] = set()  # loading instances the planner stopped: their loads end early
-        self._disk_jobs: dict[str, list[LoadJob]] = {}  # loading instance -> its disk reads (cancelled on unload)
         # (model, block) -> future of its host buffer, for blocks a running transfer brings
         self._incoming: dict[tuple[str, int], asyncio.Future] = {}
         self.pacer = make_pacer(config.emulated_host_to_device_mbit)
@@ -250,16 +284,20 @@ class WorkerService(Service):
         self._plan_parts = None  # the JetStream subscription for scale-operation parts
         self._tokens_since = 0
         self._busy_refusals = 0  # since the last WorkerMetrics
-        self.loading = InstanceLoading(self)
+        self.events = BusEvents(self.broker, config.worker_id, self.bandwidths_gbps)
+        # Chosen once: the worker calls its strategy and never asks which one it is.
+        self.sharing = make_sharing(config, WorkerPorts(
+            broker=self.broker, instances=self.instances, requests=self.requests,
+            engine_thread=lambda: self.runtime, blocks_in_engine=lambda model: self.loading.blocks_in_engine(model),
+            memory_capacity=lambda: memory_capacity(config)))
+        # Loads and every instance's lifecycle (libs/planning/instance.py); `instances` holds the attached ones.
+        self.loading = InstanceLoading(config, self.events, self.cache, self.loader, self.instances,
+                                       incoming=self._incoming, kept=self._kept, sharing=self.sharing,
+                                       pacer=self.pacer, spawn=self.spawn)
         self.pipelines = PipelineStages(
             config, broker=self.broker, instances=self.instances, blocks_in_engine=self.loading.blocks_in_engine,
             require_checkpoint=self._require_checkpoint, engine_thread=lambda: self.runtime,
             transport=lambda: self.transport)
-        # Chosen once: the worker calls its strategy and never asks which one it is.
-        self.sharing = make_sharing(config, WorkerPorts(
-            broker=self.broker, instances=self.instances, requests=self.requests,
-            engine_thread=lambda: self.runtime, blocks_in_engine=self.loading.blocks_in_engine,
-            memory_capacity=lambda: memory_capacity(config)))
         # One handler per member of m.WorkerCommand.
         self._handlers: dict[type, Callable[..., Awaitable[m.CommandAck]]] = {
             m.TransferPart: self._on_transfer_part,
@@ -268,12 +306,28 @@ class WorkerService(Service):
             m.FetchBlocks: self._on_fetch,
             m.ReleaseBlocks: self._on_release,
             m.UnloadModel: self._on_unload,
-            m.StartPipeline: self.pipelines.start,
+            m.StartPipeline: self._on_start_pipeline,
         }
         self._subscribe()
 
     def healthy(self) -> bool:
         return self._registered
+
+    # Views of the lifecycles (the integration tests read them).
+    @property
+    def _loading(self) -> set[str]:
+        """Instances whose load task runs."""
+        return self.loading.loads_running()
+
+    @property
+    def _unload_asked(self) -> set[str]:
+        """Loads still running whose instance was unloaded (they end at their next step)."""
+        return self.loading.loads_unloaded()
+
+    @property
+    def _disk_jobs(self) -> dict[str, frozenset[int]]:
+        """Instance -> its disk reads running (cancelled on unload)."""
+        return self.loading.disk_reads()
 
     # --- lifecycle ------------------------------------------------------------------------------
     def _registration(self) -> dict:
@@ -289,16 +343,6 @@ class WorkerService(Service):
             bandwidths_gbps=dict(self.bandwidths_gbps),
         )
 
-    def _observe_bandwidth(self, link: str, nbytes: int, seconds: float) -> None:
-        """Fold one measured transfer into the link's moving average (reported with heartbeats)."""
-        if nbytes <= 0 or seconds <= 0:
-            return
-        measured = nbytes / seconds / 1e9
-        old = self.bandwidths_gbps.get(link)
-        new = measured if old is None else (1 - BANDWIDTH_EWMA_ALPHA) * old + BANDWIDTH_EWMA_ALPHA * measured
-        self.bandwidths_gbps[link] = new
-        LOAD_BANDWIDTH.labels(link).set(new * 1e9)
-
     async def start(self) -> None:
         # Blocking waits (transfer runs, disk blocks, paced copies, engine builds) go to threads;
         # asyncio's default pool (cpu_count + 4: 6 on 2 cores) would queue a load behind them.
@@ -313,6 +357,7 @@ class WorkerService(Service):
         self.runtime = EngineRuntime(asyncio.get_running_loop(), self._on_outputs, self._on_engine_failure,
                                      schedule=self.sharing.schedule)
         self.runtime.start()
+        self.loading.runtime = self.runtime
         self.transport = self._make_transport(asyncio.get_running_loop())
         self.transfers = TransferAgent(self.broker, self.transport, self.config.worker_id, _HostTierBlocks(self))
         log.info("data plane listening on %s", self.transport.address)
@@ -365,8 +410,8 @@ class WorkerService(Service):
     async def stop(self) -> None:
         if self._plan_parts is not None:
             await self._plan_parts.unsubscribe()
-        for inst in list(self.instances.values()):
-            await self._stop_instance(inst, reason="worker shutting down")
+        for iid in list(self.instances):
+            await self.loading.run(iid, self.loading.step(iid, lifecycle.UnloadAsked("worker shutting down")))
         self.pipelines.close()
         if self.transfers:
             await self.transfers.stop()
@@ -396,56 +441,15 @@ class WorkerService(Service):
         return DomainError(why, code="busy")
 
     # --- blocks and instances -------------------------------------------------------------------------
-    async def _block_event(self, model: str, block_id: int, tier: m.Tier, state: m.ReplicaState,
-                           nbytes: int = 0, seconds: float = 0.0, scale_op_id: str | None = None) -> None:
-        await publish(self.broker, subjects.EVENT_BLOCK, m.BlockEvent(
-            model=model, block_id=block_id, worker_id=self.config.worker_id, tier=tier, state=state,
-            nbytes=nbytes, seconds=seconds, scale_op_id=scale_op_id))
-
     async def _report_evicted(self, keys: list[tuple[str, int]]) -> None:
-        for model, block_id in keys:
-            await self._block_event(model, block_id, m.Tier.host, m.ReplicaState.evicted)
-
-    async def _expire_after(self, keys: list[tuple[str, int]], keep_alive_s: float) -> None:
-        """The host-cache keep-alive: blocks unused for keep_alive_s leave the host tier."""
-        await asyncio.sleep(keep_alive_s)
-        gone = [k for k in keys if self.cache.remove(k)]
-        await self._report_evicted(gone)
+        await self.events.evicted(keys)
 
     def _on_engine_failure(self, instance_id: str, error: Exception) -> None:
         """A step failed. A pipeline's stage is elsewhere: its worker died or its link broke, so
         the pipeline fails (its requests already got the error: the gateway hands them over)."""
-        inst = self.instances.get(instance_id)
-        if inst is not None and inst.info.mode == "pipeline" and not inst.draining:
-            self.spawn(self._stop_instance(inst, f"a stage failed: {error}", state=m.InstanceState.failed))
-
-    async def _stop_instance(self, inst: Instance, reason: str, drain_timeout_s: float = 0.0,
-                             host_keep_alive_s: float | None = None,
-                             state: m.InstanceState = m.InstanceState.stopped,
-                             switched_to: list[str] = ()) -> None:
-        inst.draining = True
-        deadline = time.monotonic() + drain_timeout_s
-        while self.runtime.running(inst.info.instance_id) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if inst.info.mode == "pipeline" and not switched_to:
-            # A stage may be gone (why it stops): never wait on it. A mode switch lets the step
-            # in flight finish instead (the detach waits for it; a stage gone meanwhile fails it
-            # at its timeout).
-            self.runtime.abort_remote_stages(inst.info.instance_id, reason)
-        await self.sharing.release(inst, lambda: self.runtime.detach(inst.info.instance_id))
-        self.instances.pop(inst.info.instance_id, None)
-        released = list(inst.keys)
-        while inst.keys:
-            key = inst.keys.pop()
-            await self._block_event(key[0], key[1], m.Tier.gpu, m.ReplicaState.evicted)
-            await self._report_evicted(self.cache.unpin(key))
-        if host_keep_alive_s is not None:
-            self.spawn(self._expire_after(released, host_keep_alive_s))
-        self.loading.forget(inst.info.instance_id)
-        info = inst.info.model_copy(update={"state": state})
-        await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=info, reason=reason,
-                                                                            switched_to=list(switched_to)))
-        log.info("instance %s stopped (%s)", inst.info.instance_id, reason)
+        effects = self.loading.step(instance_id, lifecycle.StagePeerLost(str(error)))
+        if effects:
+            self.spawn(self.loading.run(instance_id, effects))
 
     # --- generation -----------------------------------------------------------------------------------------
     def _on_outputs(self, batch: list[tuple[str, str, TokenOutput | None, str | None]]) -> None:
@@ -526,20 +530,13 @@ class WorkerService(Service):
             raise
 
     async def _on_load(self, op: m.LoadModel) -> m.CommandAck:
-        if (inst := self.instances.get(op.instance_id)) is not None and inst.info.loaded_at is not None:
-            # Sent again (a restarted planner resuming): say again that it is loaded.
-            await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=inst.info,
-                                                                                reason="every block loaded"))
-            return m.CommandAck(accepted=True, detail="already loaded")
-        if op.instance_id in self.instances or op.instance_id in self._loading:
-            return m.CommandAck(accepted=True, detail="already loaded or loading")
-        self._require_checkpoint(op.path)
-        self._loading.add(op.instance_id)
-        info = m.InstanceInfo(instance_id=op.instance_id, model=op.model, stages=[
-            m.Stage(worker_id=self.config.worker_id, block_start=op.block_start, block_end=op.block_end)],
-            state=m.InstanceState.loading, created_at=time.time(), scale_op_id=op.scale_op_id)
-        self.spawn(self.loading.load(op, info))
-        return m.CommandAck(accepted=True, detail="loading")
+        return await self.loading.on_load(op)
+
+    async def _on_start_pipeline(self, op: m.StartPipeline) -> m.CommandAck:
+        ack = await self.pipelines.start(op)
+        if op.instance_id in self.instances or op.instance_id in self.pipelines.hosted:
+            self.loading.pipeline_started(op.instance_id, entry=op.instance_id in self.instances)
+        return ack
 
     async def _on_cancel_transfer(self, op: m.CancelTransfer) -> m.CommandAck:
         stopped = self.transfers.cancel(op.transfer_id, op.reason)
@@ -558,22 +555,17 @@ class WorkerService(Service):
         return m.CommandAck(accepted=True, detail="released")
 
     async def _on_unload(self, op: m.UnloadModel) -> m.CommandAck:
-        inst = self.instances.get(op.instance_id)
-        if inst is None and op.instance_id in self._loading:
-            # Not attached yet: the load stops and reports the instance stopped. Its disk reads stop
-            # now (within a read piece), so a stop-the-world load frees the disk at once.
-            self._unload_asked.add(op.instance_id)
-            for job in self._disk_jobs.get(op.instance_id, []):
-                self.spawn(asyncio.to_thread(job.cancel))
-            return m.CommandAck(accepted=True, detail="load cancelled")
-        if inst is None and self.pipelines.stop_hosting(op.instance_id):
-            return m.CommandAck(accepted=True, detail="stage stopped")
-        if inst is None:
-            return m.CommandAck(accepted=False, detail=f"instance {op.instance_id} is not on {self.config.worker_id}")
         reason = f"switched to {', '.join(op.switched_to)}" if op.switched_to else "unloaded by planner"
-        self.spawn(self._stop_instance(inst, reason, op.drain_timeout_s, op.host_keep_alive_s,
-                                       switched_to=op.switched_to))
-        return m.CommandAck(accepted=True, detail="draining")
+        effects = self.loading.step(op.instance_id, lifecycle.UnloadAsked(
+            reason, tuple(op.switched_to), op.drain_timeout_s, op.host_keep_alive_s))
+        if any(isinstance(e, lifecycle.StopHosting) for e in effects):
+            self.pipelines.stop_hosting(op.instance_id)
+        # Its reads are cancelled, its drain and stop go on beside the answer.
+        self.spawn(self.loading.run(op.instance_id, effects))
+        answer = next(e for e in effects if isinstance(e, lifecycle.Answer))
+        if not answer.accepted:
+            return m.CommandAck(accepted=False, detail=f"instance {op.instance_id} is not on {self.config.worker_id}")
+        return m.CommandAck(accepted=True, detail=answer.detail)
 
     def _subscribe(self) -> None:
         b = self.broker

@@ -17,8 +17,6 @@ PACKAGES = ("libs", "services", "benchmarks")
 # Imports allowed to close a cycle, until the work named removes them: keep this list short, and
 # delete an entry with the import (test_known_cycle_edges_still_close_a_cycle says when).
 KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {
-    # The worker's parts hold the service itself (issue 37, item 3: narrow ports instead).
-    ("services.worker.loading", "services.worker.service"): "WorkerService back-pointer (TYPE_CHECKING)",
 }
 
 

@@ -1,0 +1,444 @@
+"""Tests for a worker's instance lifecycle (libs/planning/instance.py): one test per race the
+worker meets, and a stateful test over every order of events."""
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from libs.planning.instance import (
+    LOAD_ENDED_EARLY,
+    NOT_HERE,
+    UNLOADED_WHILE_LOADING,
+    Answer,
+    AnnounceBlock,
+    Attach,
+    BlockInEngine,
+    BlockInHost,
+    CancelRead,
+    Detach,
+    DiskNeeded,
+    DiskReadDone,
+    DiskReadStarted,
+    Drain,
+    Drained,
+    EndLoad,
+    EngineBuilt,
+    EvictFromEngine,
+    Lifecycle,
+    LoadAsked,
+    LoadFailed,
+    LoadFinished,
+    Phase,
+    Pin,
+    PipelineStarted,
+    ReadFromDisk,
+    ReannounceLoaded,
+    Refuse,
+    ReleasePins,
+    ReportLoaded,
+    ReportStopped,
+    StagePeerLost,
+    StartLoad,
+    StopHosting,
+    UnloadAsked,
+    step,
+)
+
+BLOCKS = (0, 1, 2)
+
+
+def run(s: Lifecycle, *events) -> tuple[Lifecycle, list]:
+    out = []
+    for ev in events:
+        s, effects = step(s, ev)
+        out += effects
+    return s, out
+
+
+def loading(serve_early: bool = True) -> Lifecycle:
+    s, _ = step(Lifecycle("i"), LoadAsked(BLOCKS, serve_while_loading=serve_early))
+    return s
+
+
+def of(effects, kind) -> list:
+    return [e for e in effects if isinstance(e, kind)]
+
+
+# --- the load ------------------------------------------------------------------------------------
+
+
+def test_a_load_model_starts_one_load_and_is_answered():
+    s, effects = step(Lifecycle("i"), LoadAsked(BLOCKS))
+    assert s.phase is Phase.loading and s.load_running and s.blocks == frozenset(BLOCKS)
+    assert effects == [StartLoad(), Answer(True, "loading")]
+
+
+def test_an_unreadable_checkpoint_is_refused_and_nothing_starts():
+    s, effects = step(Lifecycle("i"), LoadAsked(BLOCKS, readable=False))
+    assert s.phase is Phase.absent and effects == [Refuse("checkpoint path is not readable", code="not_found")]
+
+
+def test_serving_while_loading_attaches_at_the_first_block_after_the_engine_is_built_and_reports_loaded_at_the_last():
+    s, effects = run(loading(), BlockInEngine(0), EngineBuilt())
+    assert effects == [AnnounceBlock(0), Attach("serving, rest loading")]
+    assert s.phase is Phase.serving_while_loading and s.serving
+    s, effects = run(s, BlockInEngine(1), BlockInEngine(2))
+    assert effects == [AnnounceBlock(1), AnnounceBlock(2), ReportLoaded()]
+    assert s.phase is Phase.serving and s.loaded_reported
+
+
+def test_a_stop_the_world_load_attaches_only_once_every_block_is_in():
+    s, effects = run(loading(serve_early=False), BlockInEngine(0), EngineBuilt(), BlockInEngine(1))
+    assert not of(effects, Attach) and s.phase is Phase.loading and not s.serving
+    s, effects = run(s, BlockInEngine(2))
+    assert effects == [AnnounceBlock(2), Attach("loaded"), ReportLoaded()]
+    assert s.phase is Phase.serving
+
+
+def test_an_engine_built_after_the_last_block_attaches_as_loaded():
+    s, effects = run(loading(), *(BlockInEngine(b) for b in BLOCKS))
+    assert not of(effects, Attach)
+    s, effects = step(s, EngineBuilt())
+    assert effects == [Attach("loaded"), ReportLoaded()]
+
+
+def test_host_blocks_are_pinned_once_and_disk_reads_get_ids():
+    s, effects = run(loading(), BlockInHost(0), BlockInHost(0), DiskNeeded((1, 2)), DiskNeeded((2,)))
+    assert effects == [Pin(0), ReadFromDisk(1, (1, 2)), ReadFromDisk(2, (2,))]
+    assert s.pins == {0} and s.disk_jobs == {1, 2}
+    s, _ = run(s, DiskReadDone(1))
+    assert s.disk_jobs == {2}
+
+
+def test_a_block_not_of_the_load_is_not_pinned():
+    s, effects = step(loading(), BlockInHost(7))
+    assert effects == [] and s.pins == frozenset()
+
+
+def test_a_failed_load_releases_everything_and_reports_failed():
+    s, _ = run(loading(), BlockInHost(0), DiskNeeded((1, 2)), BlockInEngine(0), EngineBuilt())
+    s, effects = step(s, LoadFailed("checksum mismatch"))
+    assert effects == [CancelRead(1), Detach(), EvictFromEngine((0,)), ReleasePins((0,)),
+                       ReportStopped(True, "checksum mismatch")]
+    assert s.phase is Phase.failed and s.forgettable and not s.pins and not s.disk_jobs
+
+
+# --- races ---------------------------------------------------------------------------------------
+
+
+def test_an_unload_while_loading_cancels_the_reads_at_once_and_the_load_ends_stopped():
+    s, _ = run(loading(serve_early=False), BlockInHost(0), DiskNeeded((1, 2)))
+    s, effects = step(s, UnloadAsked())
+    assert effects == [CancelRead(1), Answer(True, "load cancelled")]
+    assert s.phase is Phase.cancelling and not s.serving and s.load_running
+    # The cancelled read fails the load task: its failure is the stop, not an error.
+    s, effects = step(s, LoadFailed("read cancelled"))
+    assert effects == [ReleasePins((0,)), ReportStopped(False, "read cancelled")]
+    assert s.phase is Phase.stopped and s.forgettable
+
+
+def test_a_block_landing_after_the_unload_is_not_announced_and_ends_the_load():
+    s, _ = run(loading(), UnloadAsked())
+    s, effects = step(s, BlockInEngine(0))
+    assert effects == [EndLoad(UNLOADED_WHILE_LOADING)] and s.in_engine == frozenset()
+    s, effects = step(s, BlockInHost(1))
+    assert effects == [] and not s.pins  # nothing would release it
+
+
+def test_an_engine_built_after_the_unload_is_never_attached():
+    s, _ = run(loading(), BlockInEngine(0), UnloadAsked())
+    s, effects = step(s, EngineBuilt())
+    assert effects == [EndLoad(UNLOADED_WHILE_LOADING)] and not s.attached
+
+
+def test_a_disk_read_whose_start_outlived_the_unload_is_cancelled_as_it_starts():
+    s, effects = run(loading(), DiskNeeded((0, 1, 2)))
+    assert effects == [ReadFromDisk(1, (0, 1, 2))]
+    s, effects = step(s, UnloadAsked())  # the read's start is still under way: nothing to cancel yet
+    assert CancelRead(1) in effects
+    s, effects = step(s, DiskReadStarted(1))
+    assert effects == [CancelRead(1)]
+    # A read that started before the unload is not cancelled twice.
+    s2, _ = run(loading(), DiskNeeded((0,)))
+    assert step(s2, DiskReadStarted(1))[1] == []
+
+
+def test_no_disk_read_starts_after_the_unload():
+    s, _ = run(loading(), UnloadAsked())
+    s, effects = step(s, DiskNeeded((1,)))
+    assert effects == [EndLoad(UNLOADED_WHILE_LOADING)] and not s.disk_jobs
+
+
+def test_an_unload_while_serving_early_drains_and_the_stop_is_reported_once():
+    s, _ = run(loading(), BlockInHost(0), BlockInEngine(0), EngineBuilt(), DiskNeeded((1, 2)))
+    s, effects = step(s, UnloadAsked(switched_to=("p",), drain_timeout_s=5.0, keep_alive_s=30.0))
+    assert effects == [CancelRead(1), Drain(5.0, False, "unloaded by planner"), Answer(True, "draining")]
+    assert s.phase is Phase.draining and not s.serving
+    s, effects = step(s, Drained())
+    assert effects == [Detach(), EvictFromEngine((0,)), ReleasePins((0,), 30.0),
+                       ReportStopped(False, "unloaded by planner", ("p",))]
+    assert s.phase is Phase.stopped and not s.forgettable  # its load task is still running
+    # The load task notices at its next block, and its end reports nothing again.
+    s, effects = run(s, BlockInEngine(1), LoadFailed(UNLOADED_WHILE_LOADING))
+    assert effects == [EndLoad(UNLOADED_WHILE_LOADING)] and s.forgettable
+
+
+def test_the_load_ending_before_the_drain_leaves_the_teardown_to_the_drain():
+    s, _ = run(loading(), BlockInHost(0), BlockInEngine(0), EngineBuilt(), UnloadAsked())
+    s, effects = step(s, LoadFailed("cancelled"))
+    assert effects == [] and s.phase is Phase.draining
+    s, effects = step(s, Drained())
+    assert of(effects, ReportStopped) == [ReportStopped(False, "unloaded by planner")]
+    assert of(effects, ReleasePins) == [ReleasePins((0,))] and s.forgettable
+
+
+def test_an_unload_asked_twice_stops_once():
+    s, _ = run(loading(), BlockInEngine(0), EngineBuilt())
+    s, first = step(s, UnloadAsked())
+    s, again = step(s, UnloadAsked())
+    assert of(first, Drain) and again == [Answer(True, "draining")]
+    s, _ = step(loading(), UnloadAsked())
+    assert step(s, UnloadAsked())[1] == [Answer(True, "load cancelled")]
+
+
+def test_an_unload_of_an_instance_not_here_or_ended_is_not_accepted():
+    assert step(Lifecycle("i"), UnloadAsked())[1] == [Answer(False, NOT_HERE)]
+    s, _ = run(loading(), UnloadAsked(), LoadFailed("stopped"))
+    assert step(s, UnloadAsked())[1] == [Answer(False, NOT_HERE)]
+
+
+def test_a_load_model_sent_again_is_answered_without_a_second_load_or_loaded_report():
+    s = loading()
+    assert step(s, LoadAsked(BLOCKS))[1] == [Answer(True, "already loaded or loading")]
+    s, _ = run(s, *(BlockInEngine(b) for b in BLOCKS), EngineBuilt(), LoadFinished())
+    s2, effects = step(s, LoadAsked(BLOCKS))
+    assert effects == [ReannounceLoaded(), Answer(True, "already loaded")] and s2 == s
+    # Stopped while its load task still runs: still one load at a time.
+    s, _ = run(loading(), BlockInEngine(0), EngineBuilt(), UnloadAsked(), Drained())
+    assert step(s, LoadAsked(BLOCKS))[1] == [Answer(True, "already loaded or loading")]
+    # Once forgotten, a LoadModel of the same id is a fresh load.
+    s, _ = step(s, LoadFailed("stopped"))
+    assert step(s, LoadAsked(BLOCKS))[1] == [StartLoad(), Answer(True, "loading")]
+
+
+def test_a_pipeline_entry_that_loses_a_stage_fails_without_waiting_on_it():
+    s, _ = step(Lifecycle("p"), PipelineStarted(entry=True))
+    assert s.serving and s.kind == "pipeline" and s.loaded_reported
+    s, effects = step(s, StagePeerLost("timed out"))
+    assert effects == [Drain(0.0, True, "a stage failed: timed out")]
+    s, effects = step(s, Drained())
+    assert effects == [Detach(), ReportStopped(True, "a stage failed: timed out")] and s.phase is Phase.failed
+    # Lost again while draining (another step failed): nothing more.
+    s, _ = run(Lifecycle("p"), PipelineStarted(entry=True), StagePeerLost("x"))
+    assert step(s, StagePeerLost("y"))[1] == []
+
+
+def test_a_load_that_ends_before_serving_fails_instead_of_staying_loading():
+    s, _ = run(loading(), BlockInHost(0), BlockInEngine(0))
+    s, effects = step(s, LoadFinished())
+    assert effects == [EvictFromEngine((0,)), ReleasePins((0,)), ReportStopped(True, LOAD_ENDED_EARLY)]
+    assert s.forgettable
+    s, _ = run(loading(), UnloadAsked())
+    assert step(s, LoadFinished())[1] == [ReportStopped(False, LOAD_ENDED_EARLY)]
+
+
+def test_a_late_event_of_a_loaded_instance_does_not_end_anything():
+    s, _ = run(loading(), *(BlockInEngine(b) for b in BLOCKS), EngineBuilt())
+    assert s.phase is Phase.serving and s.load_running
+    for ev in (EngineBuilt(), BlockInEngine(1), DiskNeeded((1,))):
+        assert step(s, ev) == (s, [])
+
+
+def test_a_local_engine_failure_is_not_a_stage_lost():
+    s, _ = run(loading(), BlockInEngine(0), EngineBuilt())
+    assert step(s, StagePeerLost("oom"))[1] == []
+
+
+def test_a_pipeline_switch_lets_the_step_in_flight_finish_but_an_unload_for_failure_aborts_it():
+    s, _ = step(Lifecycle("p"), PipelineStarted(entry=True))
+    assert of(step(s, UnloadAsked(switched_to=("i",)))[1], Drain) == [Drain(0.0, False, "unloaded by planner")]
+    assert of(step(s, UnloadAsked())[1], Drain) == [Drain(0.0, True, "unloaded by planner")]
+
+
+def test_a_hosted_stage_stops_hosting_without_a_report():
+    s, _ = step(Lifecycle("p"), PipelineStarted(entry=False))
+    assert s.phase is Phase.stage and not s.serving
+    s, effects = step(s, UnloadAsked())
+    assert effects == [StopHosting(), Answer(True, "stage stopped")] and s.forgettable
+
+
+# --- every order of events ---------------------------------------------------------------------------
+
+
+class InstanceLifecycle(RuleBasedStateMachine):
+    """Drives one instance id with any order of events, as a worker's shell would (it drops an
+    ended instance once nothing of it runs, and a load task ends only after its disk starts
+    came back), and checks what the effects do to a model of the worker."""
+
+    @initialize()
+    def fresh(self):
+        self.s = Lifecycle("i")
+        self.pinned: set[int] = set()  # host-tier pins the effects hold
+        self.unstarted: set[int] = set()  # disk reads issued whose start has not come back
+        self.reading: set[int] = set()  # disk reads started and neither done nor cancelled
+        self.cancelled: set[int] = set()
+        self.new_life()
+
+    def new_life(self):
+        self.loaded_reports = 0
+        self.attaches = 0
+        self.stop_reports = 0
+        self.unloaded = False  # an unload was accepted in this life
+
+    def feed(self, ev):
+        self.s, effects = step(self.s, ev)
+        for e in effects:
+            match e:
+                case Answer(accepted=True) if isinstance(ev, UnloadAsked):
+                    self.unloaded = True
+                case Pin(block=b):
+                    assert b not in self.pinned, f"block {b} pinned twice"
+                    self.pinned.add(b)
+                case ReleasePins(blocks=bs):
+                    assert set(bs) <= self.pinned, "released a pin it did not hold"
+                    self.pinned -= set(bs)
+                case ReadFromDisk(job=j):
+                    self.unstarted.add(j)
+                case CancelRead(job=j):
+                    self.cancelled.add(j)
+                    self.reading.discard(j)
+                case Attach():
+                    self.attaches += 1
+                    assert not self.unloaded, "attached after an unload"
+                case ReportLoaded():
+                    self.loaded_reports += 1
+                    assert self.s.in_engine >= self.s.blocks, "loaded before every block was in"
+                case ReportStopped():
+                    self.stop_reports += 1
+        if self.s.forgettable:  # the shell forgets it: the next of this id is a new life
+            self.s = Lifecycle("i")
+            self.new_life()
+        return effects
+
+    @rule(serve=st.booleans(), readable=st.booleans())
+    def load_asked(self, serve, readable):
+        self.feed(LoadAsked((0, 1, 2), serve_while_loading=serve, readable=readable))
+
+    @rule(entry=st.booleans())
+    def pipeline_started(self, entry):
+        self.feed(PipelineStarted(entry))
+
+    @rule(block=st.integers(0, 3))
+    def block_in_host(self, block):
+        self.feed(BlockInHost(block))
+
+    @precondition(lambda self: self.s.load_running)
+    @rule(blocks=st.sets(st.integers(0, 2), min_size=1))
+    def disk_needed(self, blocks):
+        self.feed(DiskNeeded(tuple(sorted(blocks))))
+
+    @precondition(lambda self: self.unstarted)
+    @rule(data=st.data())
+    def disk_read_started(self, data):
+        job = data.draw(st.sampled_from(sorted(self.unstarted)))
+        self.unstarted.discard(job)
+        if job in self.cancelled:
+            self.cancelled.discard(job)  # the shell's cancel found nothing to cancel yet
+        self.reading.add(job)
+        self.feed(DiskReadStarted(job))
+
+    @precondition(lambda self: self.reading)
+    @rule(data=st.data())
+    def disk_read_done(self, data):
+        job = data.draw(st.sampled_from(sorted(self.reading)))
+        self.reading.discard(job)
+        self.feed(DiskReadDone(job))
+
+    @precondition(lambda self: self.s.load_running)
+    @rule(block=st.integers(0, 2))
+    def block_in_engine(self, block):
+        self.feed(BlockInEngine(block))
+
+    @precondition(lambda self: self.s.load_running)
+    @rule()
+    def engine_built(self):
+        self.feed(EngineBuilt())
+
+    @precondition(lambda self: self.s.load_running and not self.unstarted)
+    @rule()
+    def load_finished(self):
+        # Its reads are done with its last block (the shell feeds their ends first).
+        for job in sorted(self.reading):
+            self.reading.discard(job)
+            self.feed(DiskReadDone(job))
+        self.feed(LoadFinished())
+
+    @precondition(lambda self: self.s.load_running and not self.unstarted)
+    @rule()
+    def load_failed(self):
+        self.feed(LoadFailed("boom"))
+
+    @rule(switched=st.booleans(), keep=st.none() | st.floats(0, 60))
+    def unload_asked(self, switched, keep):
+        self.feed(UnloadAsked(switched_to=("other",) if switched else (), keep_alive_s=keep))
+
+    @rule()
+    def drained(self):
+        self.feed(Drained())
+
+    @rule()
+    def stage_peer_lost(self):
+        self.feed(StagePeerLost("gone"))
+
+    @invariant()
+    def never_serving_once_unloaded(self):
+        assert not (self.s.serving and self.unloaded)
+        assert not (self.s.serving and self.stop_reports), "serving after its stop was reported"
+
+    @invariant()
+    def pins_are_the_lifecycles_and_none_outlive_it(self):
+        assert self.pinned == set(self.s.pins)
+        if self.s.phase in (Phase.absent, Phase.stopped, Phase.failed):
+            assert not self.pinned, f"pins {self.pinned} leaked"
+
+    @invariant()
+    def no_disk_read_outlives_the_load(self):
+        if not self.s.load_running:
+            assert not self.reading, f"disk reads {self.reading} leaked"
+        # Every read running is one the lifecycle would cancel on an unload.
+        assert self.reading <= set(self.s.disk_jobs) | self.cancelled
+
+    @invariant()
+    def loaded_and_stopped_reported_at_most_once_a_life(self):
+        assert self.loaded_reports <= 1 and self.attaches <= 1 and self.stop_reports <= 1
+
+    @invariant()
+    def a_serving_instance_is_attached(self):
+        if self.s.serving:
+            assert self.s.attached
+        if self.s.attached:
+            assert self.s.phase in (Phase.serving_while_loading, Phase.serving, Phase.draining)
+
+
+    def teardown(self):
+        """Whatever came last, once its reads' starts come back, its drain and its load task end,
+        nothing is held and an unloaded instance has said it stopped, exactly once."""
+        unloaded, kind, reports = self.unloaded, self.s.kind, self.stop_reports
+        effects = []
+        for job in sorted(self.unstarted):
+            self.unstarted.discard(job)
+            self.reading.add(job)
+            effects += self.feed(DiskReadStarted(job))
+        if self.s.phase is Phase.draining:
+            effects += self.feed(Drained())
+        if self.s.load_running:
+            effects += self.feed(LoadFailed("ended"))
+        if self.s.phase is Phase.draining:
+            effects += self.feed(Drained())
+        assert not self.pinned and not self.reading
+        if unloaded and kind != "stage":
+            assert reports + len(of(effects, ReportStopped)) == 1
+
+
+InstanceLifecycle.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+test_instance_lifecycle = InstanceLifecycle.TestCase
