@@ -41,7 +41,7 @@ from libs.transfer.base import Transport, TransferError
 from libs.transfer.transports import make_transport
 from services.common.runner import Service
 from services.worker.host_cache import HostBlockCache
-from services.worker.loading import Instance, InstanceLoading
+from services.worker.loading import Instance, InstanceLoading, WorkerEvents
 from services.worker.mesh import PREEMPTIONS, Admitted
 from services.worker.pipelines import PipelineStages
 from services.worker.runtime import EngineRuntime
@@ -180,29 +180,32 @@ def memory_capacity(c: WorkerConfig) -> int:
 class _HostTierBlocks:
     """The TransferAgent's view of the worker's host tier: send from it, receive into it."""
 
-    def __init__(self, worker: "WorkerService"):
-        self.worker = worker
+    def __init__(self, cache: HostBlockCache, loader: BlockLoader, device: str,
+                 incoming: dict[tuple[str, int], asyncio.Future], events: WorkerEvents):
+        self.cache, self.loader, self.device = cache, loader, device
+        self.incoming = incoming  # (model, block) -> its arrival, which a load may wait on
+        self.events = events
 
     def take(self, model: str, block_id: int) -> torch.Tensor | None:
-        buf = self.worker.cache.get((model, block_id))
+        buf = self.cache.get((model, block_id))
         if buf is not None:
-            self.worker.cache.pin((model, block_id))  # not evicted while it is being sent
+            self.cache.pin((model, block_id))  # not evicted while it is being sent
         return buf
 
     async def release(self, model: str, block_id: int) -> None:
-        await self.worker._report_evicted(self.worker.cache.unpin((model, block_id)))
+        await self.events.evicted(self.cache.unpin((model, block_id)))
 
     async def missing(self, model: str, block_id: int) -> None:
         # Say so, so the registry drops the replica it thought was here and the next plan
         # does not pick this worker as a source again (a lost eviction report, a restart).
-        await self.worker._report_evicted([(model, block_id)])
+        await self.events.evicted([(model, block_id)])
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        return host_buffer(self.worker.loader.arena, nbytes, pin=torch.device(self.worker.config.device).type == "cuda")
+        return host_buffer(self.loader.arena, nbytes, pin=torch.device(self.device).type == "cuda")
 
     async def store(self, model: str, block_id: int, buffer: torch.Tensor) -> None:
-        await self.worker._report_evicted(self.worker.cache.put((model, block_id), buffer))
-        arrival = self.worker._incoming.get((model, block_id))
+        await self.events.evicted(self.cache.put((model, block_id), buffer))
+        arrival = self.incoming.get((model, block_id))
         if arrival is not None and not arrival.done():
             arrival.set_result(buffer)  # a load waiting for this block goes on
 
@@ -210,12 +213,12 @@ class _HostTierBlocks:
         """Before the part starts: loads may wait for the blocks it receives (LoadModel.incoming_transfer)."""
         loop = asyncio.get_running_loop()
         for hop in part.receives:
-            self.worker._incoming.setdefault((part.model, hop.block), loop.create_future())
+            self.incoming.setdefault((part.model, hop.block), loop.create_future())
 
     async def part_ended(self, part: m.TransferPart, ok: bool) -> None:
         # What did not arrive never will: waiting loads read it from disk.
         for hop in part.receives:
-            arrival = self.worker._incoming.pop((part.model, hop.block), None)
+            arrival = self.incoming.pop((part.model, hop.block), None)
             if arrival is not None and not arrival.done():
                 arrival.set_result(None)
 
@@ -359,7 +362,8 @@ class WorkerService(Service):
         self.runtime.start()
         self.loading.runtime = self.runtime
         self.transport = self._make_transport(asyncio.get_running_loop())
-        self.transfers = TransferAgent(self.broker, self.transport, self.config.worker_id, _HostTierBlocks(self))
+        self.transfers = TransferAgent(self.broker, self.transport, self.config.worker_id, _HostTierBlocks(
+            self.cache, self.loader, self.config.device, self._incoming, self.events))
         log.info("data plane listening on %s", self.transport.address)
         await super().start()
         # Scale-out parts come through JetStream (kept until taken); other commands as RPCs.
