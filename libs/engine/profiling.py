@@ -18,7 +18,7 @@ import torch
 from libs.planning.mesh import Profile, sample_points
 
 from .engine import Engine
-from .sampling import SamplingParams
+from .sampling import SamplingSpec
 
 
 def _prompt(length: int, vocab: int, salt: int) -> list[int]:
@@ -39,7 +39,7 @@ def measure_profile(make_engine: Callable[[int, int], Engine], max_len: int, max
     # One step prefills a whole sampled batch, so no row decodes before the timed steps.
     engine.prefill_chunk = max(engine.prefill_chunk, max_len)
     engine.token_budget = max(engine.token_budget, max_len * max_batch + max_batch)
-    greedy = SamplingParams(temperature=0.0, max_tokens=repeats + 2, stop_token_ids=())
+    greedy = SamplingSpec(temperature=0.0, max_tokens=repeats + 2, stop_token_ids=())
     engine.eos_token_ids = frozenset()  # a random model may emit its EOS: keep every row decoding
 
     def timed_step() -> float:

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from libs.bus.broker import RemoteError, call, make_broker, on_event, start_broker
-from libs.engine import Engine, SamplingParams
+from libs.engine import Engine, SamplingSpec
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from conftest import TEST_ADMIN_KEY, TEST_API_KEY, generate_on_worker, one_worker_cluster
@@ -57,7 +57,7 @@ def engine(tiny_checkpoint):
 
 def engine_run(engine: Engine, prompt: list[int], **params) -> list[int]:
     """The token ids the engine (the one the workers run) gives for this request."""
-    engine.add_request("ref", prompt, SamplingParams(**params))
+    engine.add_request("ref", prompt, SamplingSpec(**params))
     ids = []
     while engine.has_work():
         ids += [o.token_id for o in engine.step()]
