@@ -11,7 +11,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
@@ -70,7 +69,7 @@ def measure_profile(make_engine: Callable[[int, int], Engine], max_len: int, max
             # step over b rows of n tokens costs what b distinct requests would, and the profile
             # pays n tokens of prefill for it instead of b x n.
             rid = f"d{b}-{n}"
-            engine.add_request(rid, _prompt(n, engine.vocab_size, b), replace(greedy, n=b))
+            engine.add_request(rid, _prompt(n, engine.vocab_size, b), greedy.model_copy(update={"n": b}))
             if len(engine.step()) != b:  # the untimed prefill: every row decodes next
                 raise RuntimeError(f"the prefill of {n} tokens for {b} rows did not fit one step")
             row.append(statistics.median(timed_step() for _ in range(repeats)))
