@@ -135,6 +135,29 @@ def wait_for(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def described(cluster, model: str = "tiny") -> dict:
+    """The admin API's description of `model` in `cluster` (a ClusterState): its record, instances,
+    replicas and scale operations."""
+    import httpx
+
+    r = httpx.get(f"{cluster.gateway_url}/admin/v1/models/{model}", timeout=10,
+                  headers={"Authorization": f"Bearer {cluster.admin_key}"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cluster_view(cluster):
+    """The registry's view of `cluster` (a ClusterState), as the admin API returns it: an m.ClusterView."""
+    import httpx
+
+    from libs.protocol import messages as m
+
+    r = httpx.get(f"{cluster.gateway_url}/admin/v1/cluster", timeout=10,
+                  headers={"Authorization": f"Bearer {cluster.admin_key}"})
+    assert r.status_code == 200, r.text
+    return m.ClusterView.model_validate(r.json())
+
+
 def request_scale(nats_url: str, desired: int, model: str = "tiny", reason: str = "test burst") -> None:
     """Ask the planner for `desired` instances, as the load-monitor would (default namespace)."""
     import asyncio
