@@ -5,9 +5,9 @@ A step's logits for a request go through, in order (vLLM's order): the repetitio
 (HF/vLLM: a logit of a token seen in the prompt or the output is divided by the penalty when
 positive, multiplied when not), then the OpenAI frequency and presence penalties (counts over
 the tokens generated so far), then a grammar's mask (constrained decoding, grammar.py: the
-tokens it does not allow at -inf), then temperature and top-p. The penalties are derived from the
-request's ids every step, so a request handed over with its generated ids (KV recompute) goes
-on exactly as if it had stayed.
+tokens it does not allow at -inf), then temperature, min-p and top-p. The penalties are derived
+from the request's ids every step, so a request handed over with its generated ids (KV
+recompute) goes on exactly as if it had stayed.
 
 Logprobs, when asked for, are the log-softmax of the model's own logits (before penalties, a
 grammar's mask and temperature), as vLLM returns by default: what the model thinks, whatever the sampler did.
@@ -81,6 +81,10 @@ def sample_token(logits: torch.Tensor, params: SamplingSpec, generator: torch.Ge
     if params.greedy:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.min_p > 0:
+        # vLLM's min_p: only the tokens at least min_p times as likely as the likeliest one.
+        probs = torch.where(probs >= params.min_p * probs.max(), probs, 0.0)
+        probs = probs / probs.sum()
     if params.top_p < 1.0:
         # Nucleus: the smallest prefix of tokens (by probability) whose mass reaches top_p.
         sorted_probs, order = torch.sort(probs, descending=True)

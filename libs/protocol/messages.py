@@ -591,6 +591,8 @@ class SamplingParameters(BaseModel):
 
     temperature: _Float = Field(default=1.0, ge=0.0, le=2.0)  # 0: greedy
     top_p: _Float = Field(default=1.0, gt=0.0, le=1.0)  # nucleus: the smallest prefix with this mass
+    # vLLM's: only the tokens at least min_p times as likely as the likeliest one (0: off).
+    min_p: _Float = Field(default=0.0, ge=0.0, le=1.0)
     seed: _Int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # same seed, prompt, model: same tokens
     presence_penalty: _Float = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI: logit -= p * (count > 0), output
     frequency_penalty: _Float = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI: logit -= f * count, output

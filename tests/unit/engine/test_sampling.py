@@ -8,7 +8,7 @@ import torch
 from conftest_models import arch, block_dir, hf_dir, reference_model  # noqa: F401  (fixtures)
 from test_engine import drain
 
-from libs.engine import Engine, SamplingSpec, apply_penalties, token_logprobs
+from libs.engine import Engine, SamplingSpec, apply_penalties, sample_token, token_logprobs
 
 PROMPT = [1, 17, 200, 45, 301, 99, 7, 450, 12, 64]
 OTHER = [300, 2, 9, 44, 81, 7, 120]
@@ -73,6 +73,19 @@ def test_penalties_follow_their_definitions():
 def test_sampling_params_validation(kwargs):
     with pytest.raises(ValueError):
         SamplingSpec(**kwargs)
+
+
+def test_min_p_keeps_only_the_tokens_at_least_min_p_times_as_likely_as_the_likeliest():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()  # these probabilities at temperature 1
+    gen = torch.Generator().manual_seed(0)
+
+    def drawn(min_p: float) -> set[int]:
+        return {sample_token(logits, SamplingSpec(min_p=min_p), gen) for _ in range(300)}
+
+    assert drawn(0.5) == {0, 1}  # p >= 0.25
+    assert drawn(0.2) == {0, 1, 2}  # p >= 0.1
+    assert drawn(1.0) == {0}
+    assert drawn(0.0) == {0, 1, 2, 3}  # off
 
 
 def test_token_logprobs_are_the_log_softmax_and_its_top_k():

@@ -17,8 +17,8 @@ BODIES = {
 }
 # A value other than the default for every sampling parameter: a new one fails the test until it
 # has one here, and so gets checked.
-ASKED = {"temperature": 0.5, "top_p": 0.8, "seed": 7, "presence_penalty": 0.5, "frequency_penalty": -0.5,
-         "repetition_penalty": 1.3, "n": 3}
+ASKED = {"temperature": 0.5, "top_p": 0.8, "min_p": 0.1, "seed": 7, "presence_penalty": 0.5,
+         "frequency_penalty": -0.5, "repetition_penalty": 1.3, "n": 3}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_logprobs_as_each_endpoint_asks_them():
 @pytest.mark.parametrize("path", BODIES)
 @pytest.mark.parametrize("param, value", [("temperature", 2.5), ("top_p", 0), ("presence_penalty", -3),
                                           ("repetition_penalty", 0), ("n", 0), ("temperature", True),
-                                          ("seed", "7"), ("top_p", "0.5")])
+                                          ("seed", "7"), ("top_p", "0.5"), ("min_p", 1.5), ("min_p", -0.1)])
 def test_a_bad_sampling_value_is_an_openai_400_naming_it(client, path, param, value):
     r = client.post(path, json={**BODIES[path][1], param: value})
     assert r.status_code == 400, r.text
