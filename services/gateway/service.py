@@ -281,7 +281,7 @@ class GatewayService(Service):
         self.config = config or GatewayConfig()
         # The workers' generate: over NATS, or given (tests: InMemoryWorkerClient).
         self.workers = workers or NatsWorkerClient(self.broker, self.config.gateway_id)
-        self.workers.listen(self._token)
+        self.workers.listen(self._token_arrived)
         self.models: dict[str, ModelEntry] = {}
         self.streams: dict[str, Generation] = {}
         self._synced = False
@@ -409,7 +409,7 @@ class GatewayService(Service):
         await publish(self.broker, subjects.METRICS_GATEWAY, m.GatewayMetrics(gateway_id=self.config.gateway_id,
                                                                               models=loads))
 
-    def _token(self, ev: m.TokenEvent) -> None:
+    def _token_arrived(self, ev: m.TokenEvent) -> None:
         gen = self.streams.get(ev.request_id)
         if gen is not None:
             gen.queue.put_nowait(ev)
