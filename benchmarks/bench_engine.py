@@ -30,10 +30,10 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def _decode_rate(engine, batch: int, new_tokens: int) -> float:
-    from libs.engine import SamplingParams
+    from libs.engine import SamplingSpec
 
     for i, p in enumerate(_prompts(batch, engine.vocab_size)):
-        engine.add_request(f"b{i}", p, SamplingParams(temperature=0, max_tokens=new_tokens))
+        engine.add_request(f"b{i}", p, SamplingSpec(temperature=0, max_tokens=new_tokens))
     while any(r.pending for r in engine._active.values()) or engine._queue:  # prefills (and first tokens)
         engine.step()
     produced, t0 = 0, time.perf_counter()
@@ -43,12 +43,12 @@ def _decode_rate(engine, batch: int, new_tokens: int) -> float:
 
 
 def _prefill_rate(engine, n: int) -> float:
-    from libs.engine import SamplingParams
+    from libs.engine import SamplingSpec
 
     prompts = _prompts(n, engine.vocab_size, seed=1)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(f"p{i}", p, SamplingParams(temperature=0, max_tokens=1))
+        engine.add_request(f"p{i}", p, SamplingSpec(temperature=0, max_tokens=1))
         while engine.has_work():
             engine.step()
     return n * PROMPT_LEN / (time.perf_counter() - t0)

@@ -87,12 +87,12 @@ def _warm(path: Path) -> None:
 def _first_token_from_blocks(ckpt: Path, loader: BlockLoader) -> int:
     """The worker's own path: index, pipelined block load, an Engine over the arriving blocks
     (built while they load), prefill running each block as soon as it is verified."""
-    from libs.engine import Engine, SamplingParams
+    from libs.engine import Engine, SamplingSpec
 
     index = CheckpointIndex.load(ckpt)
     job = loader.start(ckpt, index)
     engine = Engine(index, job, device=loader.device, max_batch_size=1)
-    engine.add_request("bench", PROMPT_IDS, SamplingParams(temperature=0, max_tokens=1))
+    engine.add_request("bench", PROMPT_IDS, SamplingSpec(temperature=0, max_tokens=1))
     (out,) = engine.step()
     job.result()
     return out.token_id

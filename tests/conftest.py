@@ -135,6 +135,29 @@ def wait_for(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def described(cluster, model: str = "tiny") -> dict:
+    """The admin API's description of `model` in `cluster` (a ClusterState): its record, instances,
+    replicas and scale operations."""
+    import httpx
+
+    r = httpx.get(f"{cluster.gateway_url}/admin/v1/models/{model}", timeout=10,
+                  headers={"Authorization": f"Bearer {cluster.admin_key}"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cluster_view(cluster):
+    """The registry's view of `cluster` (a ClusterState), as the admin API returns it: an m.ClusterView."""
+    import httpx
+
+    from libs.protocol import messages as m
+
+    r = httpx.get(f"{cluster.gateway_url}/admin/v1/cluster", timeout=10,
+                  headers={"Authorization": f"Bearer {cluster.admin_key}"})
+    assert r.status_code == 200, r.text
+    return m.ClusterView.model_validate(r.json())
+
+
 def request_scale(nats_url: str, desired: int, model: str = "tiny", reason: str = "test burst") -> None:
     """Ask the planner for `desired` instances, as the load-monitor would (default namespace)."""
     import asyncio
@@ -157,40 +180,39 @@ def request_scale(nats_url: str, desired: int, model: str = "tiny", reason: str 
 def generate_on_worker(nats_url: str, worker_id: str, instance_id: str, prompt_ids: list[int],
                        sampling, generated_ids: list[int] = (), model: str = "tiny",
                        choices: dict[int, list[int]] | None = None) -> list:
-    """Send a GenerateRequest straight to a worker (as the gateway's hand-over does, with the
-    tokens generated so far: `choices` for n > 1) and collect its TokenEvents until the last
-    (of every choice)."""
+    """Send a GenerateRequest straight to a worker, through the gateway's `NatsWorkerClient` (as the
+    gateway's hand-over does, with the tokens generated so far: `choices` for n > 1), and collect
+    its TokenEvents until the last (of every choice)."""
     import asyncio
     import uuid
 
-    from libs.bus.broker import call, make_broker, on_event, start_broker
+    from libs.bus.broker import make_broker, start_broker
     from libs.protocol import messages as m
-    from libs.protocol import subjects
+    from services.gateway.workers import NatsWorkerClient
 
     async def run() -> list[m.TokenEvent]:
         broker = make_broker(nats_url)
+        workers = NatsWorkerClient(broker, gateway_id=f"test-{uuid.uuid4().hex[:8]}")
         events: list[m.TokenEvent] = []
         done = asyncio.Event()
         request_id = f"direct-{uuid.uuid4().hex[:8]}"
-        reply = f"{subjects.PREFIX}.test.tokens.{request_id}"
         running = len(choices) if choices else sampling.n
 
-        @broker.subscriber(reply)
-        @on_event(m.TokenEvent)
-        async def token(ev: m.TokenEvent) -> None:
+        def token(ev: m.TokenEvent) -> None:
             nonlocal running
             events.append(ev)
             running -= ev.finished
             if running <= 0 or ev.error:
                 done.set()
 
+        workers.listen(token)
         await start_broker(broker)
         try:
             req = m.GenerateRequest(request_id=request_id, instance_id=instance_id, model=model,
-                                    prompt_ids=list(prompt_ids), reply_subject=reply,
+                                    prompt_ids=list(prompt_ids), reply_subject=workers.reply_subject(request_id),
                                     generated_ids=list(generated_ids), sampling=sampling,
                                     choices=dict(choices or {}))
-            await call(broker, subjects.worker_generate(worker_id), req, m.GenerateAccepted)
+            await workers.generate(worker_id, req, timeout_s=5.0)
             await asyncio.wait_for(done.wait(), 30)
             return events
         finally:

@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from conftest import request_scale, wait_for
+from conftest import described, request_scale, wait_for
 
 API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
 PROMPT = "the pipeline keeps serving while"
@@ -34,11 +34,6 @@ def four_blocks(tmp_path_factory, preset: str = "tiny"):
     root = tmp_path_factory.mktemp(f"four-blocks-{preset}")
     hf = create_demo_checkpoint(root / "hf", preset=preset, arch="llama", seed=0)
     return convert_checkpoint(hf, root / "blocks", 4) and root / "blocks"
-
-
-def described(cluster) -> dict:
-    return httpx.get(f"{cluster.gateway_url}/admin/v1/models/tiny", timeout=10,
-                     headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
 
 
 def complete(cluster) -> str:

@@ -3,7 +3,7 @@
 from .grammar import Constraint, grammar_tokenizer
 from .engine import AdmissionError, Engine, StepShape, TokenOutput, budgeted_stage, checkpoint_eos_ids, local_stages
 from .model import SUPPORTED_MODEL_TYPES, LayerRange, hf_config, kv_slot_bytes_of, warm_up
-from .sampling import SamplingParams, apply_penalties, make_generator, sample_token, token_logprobs
+from .sampling import SamplingSpec, apply_penalties, make_generator, sample_token, token_logprobs
 from .stages import LocalStage, RemoteStage, StageServer
 
 __all__ = [
@@ -19,7 +19,7 @@ __all__ = [
     "checkpoint_eos_ids",
     "local_stages",
     "LayerRange",
-    "SamplingParams",
+    "SamplingSpec",
     "StepShape",
     "TokenOutput",
     "hf_config",

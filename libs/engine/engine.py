@@ -21,7 +21,7 @@ it stopped (λScale §4.4 mode switch, ServerlessLLM §5.2 live migration). With
 `hold=True` it stays paused after that prefill so the source can hand over the
 tokens it produced meanwhile (`catch_up`) before decoding moves (`release`).
 
-Choices (SamplingParams.n > 1): one request, n completions of its prompt. Each
+Choices (SamplingSpec.n > 1): one request, n completions of its prompt. Each
 choice is a row of its own (its KV slot, generator, output and finish), admitted
 together (n slots at once, or the request waits). The prompt is prefilled once,
 by the first choice; its KV is then copied into the others' slots on every stage
@@ -48,7 +48,7 @@ from libs.checkpoint import CheckpointIndex, load_block
 from .grammar import Constraint, grammar_tokenizer
 from .kv import kv_bytes_per_slot
 from .model import BlockSource, LayerRange
-from .sampling import SamplingParams, make_generator, sample_token, token_logprobs
+from .sampling import SamplingSpec, make_generator, sample_token, token_logprobs
 from .stages import LocalStage, Stage
 
 log = logging.getLogger(__name__)
@@ -72,11 +72,11 @@ class TokenOutput:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
-    # With SamplingParams.logprobs set: the token's log-probability under the model (raw
+    # With SamplingSpec.logprobs set: the token's log-probability under the model (raw
     # log-softmax, before penalties and temperature) and the top (token id, logprob) pairs.
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
-    choice: int = 0  # which of the request's n choices (SamplingParams.n) the token belongs to
+    choice: int = 0  # which of the request's n choices (SamplingSpec.n) the token belongs to
 
 
 @dataclass(frozen=True)
@@ -96,14 +96,14 @@ class _Request:
 
     id: str
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingSpec
     generator: torch.Generator
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # context tokens not yet in the KV cache
     held: bool = False  # recomputed, waiting for release() before it decodes
     started: bool = False  # holds KV slots
-    constraint: Constraint | None = None  # its grammar's state (SamplingParams.grammar)
+    constraint: Constraint | None = None  # its grammar's state (SamplingSpec.grammar)
     choice: int = 0
     # n > 1: the choice that prefills the prompt, for the others (`forks`) until it has; they
     # wait for a copy of its KV. Its own resumed tokens (`tail`) go in after the copy.
@@ -234,7 +234,7 @@ class Engine:
 
     # -- request lifecycle ---------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingSpec,
                     generated_ids: Sequence[int] = (), hold: bool = False,
                     choices: Mapping[int, Sequence[int]] | None = None) -> None:
         """Queue a request; `generated_ids`: tokens it already produced elsewhere (KV recompute).

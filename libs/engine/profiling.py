@@ -11,14 +11,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
 from libs.planning.mesh import Profile, sample_points
 
 from .engine import Engine
-from .sampling import SamplingParams
+from .sampling import SamplingSpec
 
 
 def _prompt(length: int, vocab: int, salt: int) -> list[int]:
@@ -39,7 +38,7 @@ def measure_profile(make_engine: Callable[[int, int], Engine], max_len: int, max
     # One step prefills a whole sampled batch, so no row decodes before the timed steps.
     engine.prefill_chunk = max(engine.prefill_chunk, max_len)
     engine.token_budget = max(engine.token_budget, max_len * max_batch + max_batch)
-    greedy = SamplingParams(temperature=0.0, max_tokens=repeats + 2, stop_token_ids=())
+    greedy = SamplingSpec(temperature=0.0, max_tokens=repeats + 2, stop_token_ids=())
     engine.eos_token_ids = frozenset()  # a random model may emit its EOS: keep every row decoding
 
     def timed_step() -> float:
@@ -70,7 +69,7 @@ def measure_profile(make_engine: Callable[[int, int], Engine], max_len: int, max
             # step over b rows of n tokens costs what b distinct requests would, and the profile
             # pays n tokens of prefill for it instead of b x n.
             rid = f"d{b}-{n}"
-            engine.add_request(rid, _prompt(n, engine.vocab_size, b), replace(greedy, n=b))
+            engine.add_request(rid, _prompt(n, engine.vocab_size, b), greedy.model_copy(update={"n": b}))
             if len(engine.step()) != b:  # the untimed prefill: every row decodes next
                 raise RuntimeError(f"the prefill of {n} tokens for {b} rows did not fit one step")
             row.append(statistics.median(timed_step() for _ in range(repeats)))

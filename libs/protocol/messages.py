@@ -582,23 +582,46 @@ class TransferReport(Message):
 # --- generation ---------------------------------------------------------------------------------
 
 
-class SamplingSpec(BaseModel):
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    max_tokens: int = Field(default=16, ge=1)
-    seed: int | None = None
-    stop_token_ids: list[int] = []
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    # None: no logprobs; k: each token's logprob and its k most likely alternatives.
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    # Constrained decoding (response_format, tools): an llguidance grammar, built and validated by
-    # the gateway; the entry worker masks each step's logits with it. None: unconstrained.
-    grammar: str | None = None
+# Numbers as JSON has them: a boolean or a numeric string is refused, not read as 1 or 0.
+_Int = Annotated[int, Field(strict=True)]
+_Float = Annotated[float, Field(strict=True)]
+
+
+class SamplingParameters(BaseModel):
+    """How each next token is chosen: the OpenAI (and vLLM) sampling parameters, declared and
+    validated here once. The gateway's request bodies are made of them (services/gateway/schemas.py:
+    a value out of range is a 400 naming it), the engine's sampler reads them as they are
+    (libs/engine/sampling.py)."""
+
+    temperature: _Float = Field(default=1.0, ge=0.0, le=2.0)  # 0: greedy
+    top_p: _Float = Field(default=1.0, gt=0.0, le=1.0)  # nucleus: the smallest prefix with this mass
+    # vLLM's: only the tokens at least min_p times as likely as the likeliest one (0: off).
+    min_p: _Float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: _Int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # same seed, prompt, model: same tokens
+    presence_penalty: _Float = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI: logit -= p * (count > 0), output
+    frequency_penalty: _Float = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI: logit -= f * count, output
+    # vLLM's extension (HF's definition): over prompt and output, logit / r if > 0 else logit * r.
+    repetition_penalty: _Float = Field(default=1.0, gt=0.0)
     # Completions of the prompt, each its own stream of TokenEvents (`choice`); the prompt is
     # prefilled once. Each choice takes a KV slot: the gateway bounds n.
-    n: int = Field(default=1, ge=1)
+    n: _Int = Field(default=1, ge=1)
+
+
+class SamplingSpec(SamplingParameters):
+    """A request's sampling as the engine runs it: the parameters as the client gave them, and
+    what the gateway resolved for it (`to_sampling_spec` of its request bodies)."""
+
+    max_tokens: _Int = Field(default=16, ge=1)  # fitted to the model's context by the gateway
+    stop_token_ids: tuple[Annotated[_Int, Field(ge=0)], ...] = ()  # the model's end-of-sequence ids
+    # None: no logprobs; k: each token's logprob and its k most likely alternatives.
+    logprobs: _Int | None = Field(default=None, ge=0, le=20)
+    # Constrained decoding (response_format, tools): an llguidance grammar, built and validated by
+    # the gateway; the entry worker masks each step's logits with it. None: unconstrained.
+    grammar: Annotated[str, Field(min_length=1)] | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 class GenerateRequest(Message):

@@ -214,18 +214,13 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
                                       lambda: _chat_ids(entry, turns, add_generation_prompt, add_special_tokens,
                                                         list(tools) if native else None))
 
-    def sampling(entry: ModelEntry, body, prompt_len: int, max_tokens: int | None, param: str,
-                 logprobs: int | None = None, grammar: str | None = None) -> m.SamplingSpec:
+    def sampling(entry: ModelEntry, body: CompletionRequest | ChatCompletionRequest, prompt_len: int,
+                 grammar: str | None) -> m.SamplingSpec:
         if body.n > service.config.max_n:  # each choice takes a KV slot of an instance
             raise APIError(400, f"Invalid value for 'n': {body.n} is more than this gateway's limit of "
                            f"{service.config.max_n}", param="n", code="invalid_value")
-        return m.SamplingSpec(
-            temperature=body.temperature, top_p=body.top_p,
-            max_tokens=service.resolve_max_tokens(entry, prompt_len, max_tokens, param),
-            seed=body.seed, stop_token_ids=entry.eos_ids,
-            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            logprobs=logprobs, grammar=grammar, n=body.n)
+        max_tokens = service.resolve_max_tokens(entry, prompt_len, *body.asked_max_tokens())
+        return body.to_sampling_spec(max_tokens, entry.eos_ids, grammar)
 
     async def generate(caller: Caller, entry: ModelEntry, prompt_ids: list[int], spec: m.SamplingSpec,
                        stops: list[str]) -> tuple[Generation, Ticket]:
@@ -248,7 +243,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
             prompt_ids = _check_ids(entry, body.prompt, "prompt")
         schema = response_schema(body.response_format)
         grammar = json_grammar(schema, "response_format") if schema is not None else None
-        spec = sampling(entry, body, len(prompt_ids), body.max_tokens, "max_tokens", body.logprobs, grammar)
+        spec = sampling(entry, body, len(prompt_ids), grammar)
         gen, ticket = await generate(caller, entry, prompt_ids, spec, body.stop)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prefix = ""
@@ -286,10 +281,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         entry = model_entry(caller, body.model)
         plan = plan_chat(body)
         prompt_ids = await _tokenize_chat(entry, body.messages, add_generation_prompt=True, tools=plan.tools)
-        requested = body.max_completion_tokens or body.max_tokens
-        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        spec = sampling(entry, body, len(prompt_ids), requested, param,
-                        (body.top_logprobs or 0) if body.logprobs else None, plan.grammar)
+        spec = sampling(entry, body, len(prompt_ids), plan.grammar)
         gen, ticket = await generate(caller, entry, prompt_ids, spec, body.stop)
         # tool_choice auto: text goes out as content until a tool call begins, calls come at the end;
         # required or named: the one call, as it is written. One parser per choice.

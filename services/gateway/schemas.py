@@ -6,6 +6,7 @@ silently ignored what it asked for. Exceptions, in one place below: fields that 
 this gateway could do, and any field sent as null (OpenAI's "not given"). Values out of range
 are a 400 naming the parameter."""
 
+from abc import abstractmethod
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -64,20 +65,24 @@ class ResponseFormat(_Body):
         return self
 
 
-class _SamplingBody(_Body):
+class _SamplingBody(_Body, m.SamplingParameters):
+    """A generation request: the sampling parameters as the protocol declares them (m.SamplingParameters:
+    their ranges are checked there, once), and what the gateway resolves before sending it on."""
+
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)  # at most the gateway's max_n (LAYERCAST_MAX_N), checked in app.py
     stop: str | list[str] | None = Field(default=None, validate_default=True)
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=1.0, gt=0.0)  # vLLM's extension (HF's definition)
     response_format: ResponseFormat | None = None  # on completions too, as vLLM has it
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_sampling_is_default(cls, data: Any) -> Any:
+        # A sampling parameter sent as null is not given (OpenAI's clients send null for unset).
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in m.SamplingParameters.model_fields}
 
     @field_validator("stop")
     @classmethod
@@ -88,6 +93,23 @@ class _SamplingBody(_Body):
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
         return stops
+
+    def asked_max_tokens(self) -> tuple[int | None, str]:
+        """The completion length asked for (None: as much as fits, up to the gateway's default), and
+        the parameter that asked it."""
+        return self.max_tokens, "max_tokens"
+
+    @abstractmethod
+    def asked_logprobs(self) -> int | None:
+        """The top logprobs per token asked for (0: the sampled token's only); None: no logprobs."""
+
+    def to_sampling_spec(self, max_tokens: int, stop_token_ids: list[int], grammar: str | None) -> m.SamplingSpec:
+        """The request's sampling as a worker's engine runs it (vLLM's `to_sampling_params`): the
+        parameters as given, with what the gateway resolved: `max_tokens` fitted to the context,
+        the model's end-of-sequence ids and the grammar of response_format or tools."""
+        return m.SamplingSpec(**self.model_dump(include=set(m.SamplingParameters.model_fields)),
+                              max_tokens=max_tokens, stop_token_ids=stop_token_ids,
+                              logprobs=self.asked_logprobs(), grammar=grammar)
 
 
 class CompletionRequest(_SamplingBody):
@@ -104,6 +126,9 @@ class CompletionRequest(_SamplingBody):
         if v is not None and info.data.get("echo"):
             raise ValueError("echo with logprobs (the prompt's logprobs) is not supported")
         return v
+
+    def asked_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -193,6 +218,14 @@ class ChatCompletionRequest(_SamplingBody):
         if v and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs set to true")
         return v
+
+    def asked_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def asked_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeRequest(_Body):

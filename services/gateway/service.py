@@ -29,6 +29,7 @@ from services.gateway.logprobs import TokenLogprob, TokenStrings
 from services.gateway.routing import ModelRoutes, Route
 from services.gateway.structured import template_renders_tools
 from services.gateway.text import IncrementalDetokenizer, StopMatcher
+from services.gateway.workers import NatsWorkerClient, WorkerClient
 
 log = logging.getLogger(__name__)
 _tracer = tracer("gateway")
@@ -238,8 +239,8 @@ class Generation:
             return False
         self.handovers += 1
         old = self.route
-        await publish(self.gw.broker, subjects.worker_cancel(old.worker_id),
-                      m.CancelRequest(request_id=self.request_id, instance_id=old.instance_id))
+        await self.gw.workers.cancel(old.worker_id, m.CancelRequest(request_id=self.request_id,
+                                                                    instance_id=old.instance_id))
         self.entry.routes.release(old, self.sampling.n)
         while not self.queue.empty():
             self.queue.get_nowait()  # what the old instance sent is stale
@@ -265,8 +266,8 @@ class Generation:
         self.gw.streams.pop(self.request_id, None)
         self.entry.routes.release(self.route, self.sampling.n)
         if not self.finished:
-            await publish(self.gw.broker, subjects.worker_cancel(self.route.worker_id),
-                          m.CancelRequest(request_id=self.request_id, instance_id=self.route.instance_id))
+            await self.gw.workers.cancel(self.route.worker_id, m.CancelRequest(request_id=self.request_id,
+                                                                               instance_id=self.route.instance_id))
         self.span.set_attribute("layercast.completion_tokens", self.completion_tokens)
         self.span.end()
 
@@ -274,9 +275,13 @@ class Generation:
 class GatewayService(Service):
     name = "gateway"
 
-    def __init__(self, config: GatewayConfig | None = None, nats_url: str | None = None):
+    def __init__(self, config: GatewayConfig | None = None, nats_url: str | None = None,
+                 workers: WorkerClient | None = None):
         super().__init__(nats_url)
         self.config = config or GatewayConfig()
+        # The workers' generate: over NATS, or given (tests: InMemoryWorkerClient).
+        self.workers = workers or NatsWorkerClient(self.broker, self.config.gateway_id)
+        self.workers.listen(self._token_arrived)
         self.models: dict[str, ModelEntry] = {}
         self.streams: dict[str, Generation] = {}
         self._synced = False
@@ -404,15 +409,13 @@ class GatewayService(Service):
         await publish(self.broker, subjects.METRICS_GATEWAY, m.GatewayMetrics(gateway_id=self.config.gateway_id,
                                                                               models=loads))
 
+    def _token_arrived(self, ev: m.TokenEvent) -> None:
+        gen = self.streams.get(ev.request_id)
+        if gen is not None:
+            gen.queue.put_nowait(ev)
+
     def _subscribe(self) -> None:
         b = self.broker
-
-        @b.subscriber(subjects.tokens_wildcard(self.config.gateway_id))
-        @on_event(m.TokenEvent)
-        async def token(ev: m.TokenEvent) -> None:
-            gen = self.streams.get(ev.request_id)
-            if gen is not None:
-                gen.queue.put_nowait(ev)
 
         @b.subscriber(subjects.EVENT_INSTANCE)
         @on_event(m.InstanceEvent)
@@ -515,12 +518,11 @@ class GatewayService(Service):
             req = m.GenerateRequest(request_id=request_id, instance_id=route.instance_id, model=model,
                                     prompt_ids=prompt_ids, sampling=sampling,
                                     generated_ids=list(generated_ids), choices=dict(choices or {}),
-                                    reply_subject=subjects.tokens(self.config.gateway_id, request_id),
+                                    reply_subject=self.workers.reply_subject(request_id),
                                     ttft_slo_s=entry.info.ttft_slo_s, tpot_slo_s=entry.info.tpot_slo_s,
                                     queued_s=time.monotonic() - arrived, attempt=next(self._attempts))
             try:
-                await call(self.broker, subjects.worker_generate(route.worker_id), req, m.GenerateAccepted,
-                           timeout=self.config.dispatch_timeout_s)
+                await self.workers.generate(route.worker_id, req, self.config.dispatch_timeout_s)
             except asyncio.CancelledError:
                 # The caller gave up mid-RPC (its client went away): give the slot back, and cancel
                 # on the worker, which may have taken the request. Spawned: this task is cancelled.
@@ -557,9 +559,8 @@ class GatewayService(Service):
     def _cancel_attempt(self, route: Route, req: m.GenerateRequest) -> None:
         """Cancel one hand-off on its worker, which may have taken it or may yet (spawned: the
         caller may be a task being cancelled)."""
-        self.spawn(publish(self.broker, subjects.worker_cancel(route.worker_id),
-                           m.CancelRequest(request_id=req.request_id, instance_id=route.instance_id,
-                                           attempt=req.attempt)))
+        self.spawn(self.workers.cancel(route.worker_id, m.CancelRequest(
+            request_id=req.request_id, instance_id=route.instance_id, attempt=req.attempt)))
 
     def _dispatch_failed(self, entry: ModelEntry, route: Route, weight: int, e: Exception) -> None:
         """Its worker did not take the request: a 400 if the request is at fault, else drop the route."""

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from libs.engine import AdmissionError, Engine, SamplingParams, StepShape, TokenOutput
+from libs.engine import AdmissionError, Engine, SamplingSpec, StepShape, TokenOutput
 from libs.planning.mesh import RunningRequest, most_urgent
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class _Add:
     instance_id: str
     request_id: str
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingSpec
     generated_ids: list[int]
     choices: dict[int, list[int]] | None = None
     # Its SLO clock (headroom scheduling): arrival (time.monotonic()), TTFT and TPOT SLOs.
@@ -130,7 +130,7 @@ class EngineRuntime:
         if engine is not None:
             engine.abort_remote_stages(reason)
 
-    def submit(self, instance_id: str, request_id: str, prompt_ids: list[int], params: SamplingParams,
+    def submit(self, instance_id: str, request_id: str, prompt_ids: list[int], params: SamplingSpec,
                generated_ids: list[int] = (), choices: dict[int, list[int]] | None = None,
                slo: tuple[float, float, float] | None = None) -> None:
         """`slo`: (arrival on time.monotonic(), TTFT SLO, TPOT SLO) for the headroom schedule."""

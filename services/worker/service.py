@@ -30,7 +30,7 @@ from libs.checkpoint.fastload import (
     LoaderConfig,
     host_buffer,
 )
-from libs.engine import SamplingParams, TokenOutput, grammar_tokenizer, warm_up
+from libs.engine import TokenOutput, grammar_tokenizer, warm_up
 from libs.planning import instance as lifecycle
 from libs.protocol import messages as m
 from libs.protocol import subjects
@@ -586,13 +586,8 @@ class WorkerService(Service):
             inst = self.instances.get(req.instance_id)
             if inst is None or inst.draining:
                 raise DomainError(f"instance {req.instance_id} is not serving on {wid}", code="unavailable")
+            s = req.sampling  # the engine takes it as it is (validated with the request)
             try:
-                s = req.sampling
-                params = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens,
-                                        seed=s.seed, stop_token_ids=tuple(s.stop_token_ids),
-                                        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                                        repetition_penalty=s.repetition_penalty, logprobs=s.logprobs,
-                                        grammar=s.grammar, n=s.n)
                 if s.grammar is not None:
                     # Read the tokenizer for grammars here, off the engine thread (once per model).
                     await asyncio.to_thread(grammar_tokenizer, inst.path)
@@ -640,7 +635,7 @@ class WorkerService(Service):
                 span.end()
                 raise DomainError(f"request {req.request_id} was cancelled", code="conflict")
             registered.submitted = True
-            self.runtime.submit(req.instance_id, req.request_id, req.prompt_ids, params, req.generated_ids,
+            self.runtime.submit(req.instance_id, req.request_id, req.prompt_ids, s, req.generated_ids,
                                 req.choices or None,
                                 None if admitted is None else (admitted.start, admitted.slo.ttft_s, admitted.slo.tpot_s))
             return m.GenerateAccepted(request_id=req.request_id, queued=self.runtime.running(req.instance_id))

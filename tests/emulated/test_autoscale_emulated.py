@@ -14,7 +14,7 @@ import uuid
 import httpx
 import pytest
 
-from conftest import request_scale, running_cluster, wait_for
+from conftest import described, request_scale, running_cluster, wait_for
 from libs.protocol import subjects
 from libs.cluster.emulation import EmulatedCluster, can_emulate
 
@@ -52,10 +52,6 @@ def emulated_cluster(tmp_path_factory, postgres_server_url, checkpoint, workers:
 
 def admin(cluster) -> httpx.Client:
     return httpx.Client(base_url=cluster.gateway_url, timeout=10, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
-
-
-def described(cluster) -> dict:
-    return admin(cluster).get("/admin/v1/models/tiny").json()
 
 
 def instances(cluster, *states: str) -> list[dict]:

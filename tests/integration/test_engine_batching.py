@@ -20,7 +20,7 @@ import torch
 from conftest_models import arch, hf_dir, reference_model  # noqa: F401  (fixtures)
 
 from libs.checkpoint import CheckpointIndex, convert_checkpoint, load_block
-from libs.engine import AdmissionError, Engine, LayerRange, LocalStage, RemoteStage, SamplingParams, StageServer
+from libs.engine import AdmissionError, Engine, LayerRange, LocalStage, RemoteStage, SamplingSpec, StageServer
 from libs.engine.stages import pack, unpack
 from libs.transfer.tcp.transport import TcpTransport
 
@@ -58,8 +58,8 @@ def drain(engine: Engine, max_steps: int = 2000) -> dict[str, list[int]]:
     raise AssertionError("engine did not finish")
 
 
-def greedy(n: int = MAX_NEW) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n)
+def greedy(n: int = MAX_NEW) -> SamplingSpec:
+    return SamplingSpec(temperature=0, max_tokens=n)
 
 
 def run_all(engine: Engine) -> list[list[int]]:
@@ -271,10 +271,10 @@ def test_a_burst_of_prompts_is_prefilled_in_micro_batches_the_stages_compute_at_
 
 RESUME = textwrap.dedent("""
     import json, sys
-    from libs.engine import Engine, SamplingParams
+    from libs.engine import Engine, SamplingSpec
     ckpt, prompt, generated, n = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
     engine = Engine.from_checkpoint(ckpt, max_batch_size=2, max_seq_len=128, eos_token_ids=())
-    engine.add_request("moved", prompt, SamplingParams(temperature=0, max_tokens=n), generated_ids=generated)
+    engine.add_request("moved", prompt, SamplingSpec(temperature=0, max_tokens=n), generated_ids=generated)
     out = []
     while engine.has_work():
         out += [o.token_id for o in engine.step()]
@@ -356,7 +356,7 @@ def test_a_step_waiting_on_a_silent_stage_ends_when_aborted_not_at_its_timeout(f
             engine = Engine(index, stages=[LocalStage(LayerRange(index, blocks, 0, 2), 8, 128), remote],
                             max_batch_size=8, max_seq_len=128, eos_token_ids=())
             for i, p in enumerate(PROMPTS[:2]):
-                engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=4))
+                engine.add_request(f"r{i}", p, SamplingSpec(temperature=0, max_tokens=4))
             failed: list[BaseException] = []
 
             def step():
@@ -385,11 +385,11 @@ def test_n_choices_over_a_remote_stage_fork_its_kv_there(four_blocks, expected):
     and each seeded choice samples as an n=1 request with seed + i through a local engine."""
     index = CheckpointIndex.load(four_blocks)
     blocks = {b: load_block(four_blocks, index, b) for b in range(4)}
-    params = SamplingParams(temperature=1.0, max_tokens=MAX_NEW, seed=3, n=3)
+    params = SamplingSpec(temperature=1.0, max_tokens=MAX_NEW, seed=3, n=3)
     local = Engine.from_checkpoint(four_blocks, max_batch_size=8, max_seq_len=128, eos_token_ids=())
     want = []
     for c in range(3):
-        local.add_request(f"s{c}", PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=MAX_NEW, seed=3 + c))
+        local.add_request(f"s{c}", PROMPTS[0], SamplingSpec(temperature=1.0, max_tokens=MAX_NEW, seed=3 + c))
         want.append(drain(local)[f"s{c}"])
     with TcpTransport("entry") as t, TcpTransport("host") as h:
         server = StageServer(h, {"entry": t.address})

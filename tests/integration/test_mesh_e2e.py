@@ -58,12 +58,12 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def steady_prompt(checkpoints) -> list[int]:
     """A prompt the steady model answers with STEADY_TOKENS tokens before any end token (greedy)."""
-    from libs.engine import SamplingParams
+    from libs.engine import SamplingSpec
 
     engine = Engine.from_checkpoint(checkpoints["steady"], max_batch_size=1, max_seq_len=512)
     for k in range(50):
         prompt = [1, 17 + k, 200, 45 + k]
-        engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=STEADY_TOKENS))
+        engine.add_request("p", prompt, SamplingSpec(temperature=0, max_tokens=STEADY_TOKENS))
         outs = []
         while engine.has_work():
             outs += engine.step()

@@ -6,14 +6,15 @@ request ends there with a `preempted` event, for the gateway to hand it over (te
 tests/unit/gateway/test_mesh_routing.py). With preemption off, the same request is refused
 ("busy").
 
-The test stands in for the gateway on NATS (it sends generate RPCs to chosen instances and reads
-their token streams) so that it picks the SLOs that make exactly the third case of Fig. 6 (the
-node's decode iteration against the TPOT SLO) fail with `small` there and pass without it, from
-the profiles the workers stored in the registry.
+The test sends generate RPCs to chosen instances itself and reads their token streams, through
+the gateway's `NatsWorkerClient`, so that it picks the SLOs that make exactly the third case of
+Fig. 6 (the node's decode iteration against the TPOT SLO) fail with `small` there and pass
+without it, from the profiles the workers stored in the registry.
 """
 
 import asyncio
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import httpx
@@ -28,6 +29,7 @@ from libs.planning.mesh import MARGIN
 from libs.planning.mesh_profiles import profile_from_message
 from libs.protocol import messages as m
 from libs.protocol import subjects
+from services.gateway.workers import NatsWorkerClient
 from conftest import fresh_database, wait_for
 
 pytestmark = pytest.mark.slow
@@ -58,39 +60,27 @@ def _admitted(worker, model: str) -> float:
                and 'verdict="admitted"' in line)
 
 
-class StandInGateway:
-    """Sends generate RPCs to instances and keeps every token event it is sent, per request."""
+async def _scenario(state, nats_url: str) -> dict:
+    broker = make_broker(nats_url)
+    workers = NatsWorkerClient(broker, GATEWAY_ID)  # as the gateway sends requests, this test picking the SLOs
+    events: dict[str, list[m.TokenEvent]] = defaultdict(list)
+    workers.listen(lambda ev: events[ev.request_id].append(ev))
 
-    def __init__(self, nats_url: str):
-        self.broker = make_broker(nats_url)
-        self.events: dict[str, list[m.TokenEvent]] = {}
-
-        @self.broker.subscriber(subjects.tokens_wildcard(GATEWAY_ID))
-        async def tokens(ev: m.TokenEvent) -> None:
-            self.events.setdefault(ev.request_id, []).append(ev)
-
-    async def generate(self, inst: m.InstanceInfo, request_id: str, max_tokens: int, **fields) -> None:
+    async def generate(inst: m.InstanceInfo, request_id: str, max_tokens: int, **fields) -> None:
         req = m.GenerateRequest(request_id=request_id, instance_id=inst.instance_id, model=inst.model,
                                 prompt_ids=PROMPT, sampling=m.SamplingSpec(max_tokens=max_tokens, temperature=0),
-                                reply_subject=subjects.tokens(GATEWAY_ID, request_id), **fields)
-        await call(self.broker, subjects.worker_generate(inst.entry_worker), req, m.GenerateAccepted, timeout=10)
+                                reply_subject=workers.reply_subject(request_id), **fields)
+        await workers.generate(inst.entry_worker, req, timeout_s=10)
 
-    async def tokens(self, request_id: str, n: int, timeout: float = 30) -> None:
+    async def tokens(request_id: str, n: int, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
-        while sum(e.token_id is not None for e in self.events.get(request_id, [])) < n:
+        while sum(e.token_id is not None for e in events.get(request_id, [])) < n:
             assert time.monotonic() < deadline, f"{request_id}: fewer than {n} tokens"
             await asyncio.sleep(0.01)
 
-    async def cancel(self, inst: m.InstanceInfo, request_id: str) -> None:
-        await self.broker.publish(m.CancelRequest(request_id=request_id, instance_id=inst.instance_id)
-                                  .model_dump(mode="json"), subjects.worker_cancel(inst.entry_worker))
-
-
-async def _scenario(state, nats_url: str) -> dict:
-    gw = StandInGateway(nats_url)
-    await start_broker(gw.broker)
+    await start_broker(broker)
     try:
-        view = await call(gw.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0), m.ClusterView)
+        view = await call(broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0), m.ClusterView)
         ready = [i for i in view.instances if i.state == m.InstanceState.ready]
         [big] = [i for i in ready if i.model == "big"]
         [small] = [i for i in ready if i.model == "small" and i.entry_worker == big.entry_worker]
@@ -101,7 +91,7 @@ async def _scenario(state, nats_url: str) -> dict:
             if all(_admitted(worker, x.model) > 0 for x in (big, small)):
                 break
             for x in (big, small):
-                await gw.generate(x, f"probe-{x.model}-{k}", 1, **LOOSE)
+                await generate(x, f"probe-{x.model}-{k}", 1, **LOOSE)
             await asyncio.sleep(0.25)
         assert all(_admitted(worker, x.model) > 0 for x in (big, small)), "no validated admission on the shared worker"
         await asyncio.sleep(4.0)
@@ -110,16 +100,16 @@ async def _scenario(state, nats_url: str) -> dict:
         # request has already waited past it at the gateway (then only case 2 or 3 could refuse).
         impossible = dict(ttft_slo_s=1e-4, tpot_slo_s=10.0)
         try:
-            await gw.generate(big, "fresh-late", 1, **impossible)
+            await generate(big, "fresh-late", 1, **impossible)
             fresh = "admitted"
         except RemoteError as e:
             fresh = e.code
-        await gw.generate(big, "overdue", 1, queued_s=1.0, **impossible)
-        await gw.tokens("overdue", 1)
+        await generate(big, "overdue", 1, queued_s=1.0, **impossible)
+        await tokens("overdue", 1)
 
         profiles = {}
         for name in ("big", "small"):
-            stored = await call(gw.broker, subjects.REGISTRY_PROFILE_GET, m.ProfileRef(model=name, device="cpu"),
+            stored = await call(broker, subjects.REGISTRY_PROFILE_GET, m.ProfileRef(model=name, device="cpu"),
                                 m.ModelProfile)
             profiles[name] = profile_from_message(stored)
         lengths = [len(PROMPT) + g for g in (1, 8, 16, 32, 64)]  # the requests' lengths when the last one comes
@@ -130,25 +120,25 @@ async def _scenario(state, nats_url: str) -> dict:
         assert low < high, f"no TPOT SLO separates the cases: {low:.5f} s >= {high:.5f} s ({big3}, {small1})"
         tpot = (low + high) / 2
 
-        await gw.generate(small, "small-1", LONG, **LOOSE)
-        await gw.generate(big, "big-1", LONG, **LOOSE)
-        await gw.generate(big, "big-2", LONG, **LOOSE)
+        await generate(small, "small-1", LONG, **LOOSE)
+        await generate(big, "big-1", LONG, **LOOSE)
+        await generate(big, "big-2", LONG, **LOOSE)
         for rid in ("small-1", "big-1", "big-2"):
-            await gw.tokens(rid, 2)  # decoding: the node's decode iteration holds all three
+            await tokens(rid, 2)  # decoding: the node's decode iteration holds all three
         try:
-            await gw.generate(big, "big-3", LONG, ttft_slo_s=60.0, tpot_slo_s=tpot)
+            await generate(big, "big-3", LONG, ttft_slo_s=60.0, tpot_slo_s=tpot)
             outcome = "admitted"
         except RemoteError as e:
             outcome = e.code
         if outcome == "admitted":
-            await gw.tokens("big-3", 1)
+            await tokens("big-3", 1)
         await asyncio.sleep(0.5)
-        small_events = list(gw.events.get("small-1", []))
+        small_events = list(events.get("small-1", []))
         for inst, rid in ((small, "small-1"), (big, "big-1"), (big, "big-2"), (big, "big-3")):
-            await gw.cancel(inst, rid)
+            await workers.cancel(inst.entry_worker, m.CancelRequest(request_id=rid, instance_id=inst.instance_id))
         return {"outcome": outcome, "small": small_events, "tpot": tpot, "fresh": fresh}
     finally:
-        await gw.broker.stop()
+        await broker.stop()
 
 
 @pytest.mark.parametrize("preemption", [True, False], ids=["preemption", "no-preemption"])

@@ -15,11 +15,11 @@ import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 
 from libs.checkpoint import CheckpointIndex
-from conftest import running_cluster, wait_for
+from libs.planning.scaleout import alive_workers
+from conftest import cluster_view, described, running_cluster, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -40,16 +40,6 @@ def cluster(tmp_path, nats_url, postgres_server_url, tiny_checkpoint):
         yield state
 
 
-def admin(cluster) -> httpx.Client:
-    return httpx.Client(base_url=cluster.gateway_url, timeout=10, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
-
-
-def described(cluster) -> dict:
-    r = admin(cluster).get("/admin/v1/models/tiny")
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def host_copies(cluster) -> dict[str, set[int]]:
     """worker -> the blocks of tiny the registry records ready in its host tier."""
     held: dict[str, set[int]] = {}
@@ -57,11 +47,6 @@ def host_copies(cluster) -> dict[str, set[int]]:
         if r["tier"] == "host" and r["state"] == "ready":
             held.setdefault(r["worker_id"], set()).add(r["block_id"])
     return held
-
-
-def alive_workers(cluster) -> set[str]:
-    workers = admin(cluster).get("/admin/v1/cluster").json()["workers"]
-    return {w["worker_id"] for w in workers if w.get("state", "alive") == "alive"}
 
 
 def pool_copy_lines(cluster, worker: str) -> list[str]:
@@ -73,7 +58,8 @@ def pool_copy_lines(cluster, worker: str) -> list[str]:
 
 def test_a_lost_pool_copy_is_re_replicated_onto_a_survivor(cluster, tiny_checkpoint):
     every_block = {b.id for b in CheckpointIndex.load(tiny_checkpoint).blocks}
-    workers = wait_for(lambda: w if len(w := alive_workers(cluster)) == 3 else None, 30, "three alive workers")
+    workers = wait_for(lambda: w if len(w := set(alive_workers(cluster_view(cluster)))) == 3 else None, 30,
+                       "three alive workers")
 
     # At deploy the pool puts the one copy on one worker (from its disk); nobody else holds any of it.
     def complete_somewhere() -> dict[str, set[int]] | None:
@@ -92,7 +78,8 @@ def test_a_lost_pool_copy_is_re_replicated_onto_a_survivor(cluster, tiny_checkpo
     proc = next(p for p in cluster.processes if p.name == holder)
     os.kill(proc.pid, signal.SIGKILL)
     killed = time.monotonic()
-    wait_for(lambda: holder not in alive_workers(cluster), 3 * HEARTBEAT_TTL_S + 5, "the holder's heartbeat expiry")
+    wait_for(lambda: holder not in alive_workers(cluster_view(cluster)), 3 * HEARTBEAT_TTL_S + 5,
+             "the holder's heartbeat expiry")
 
     def restored() -> str | None:
         held = host_copies(cluster)

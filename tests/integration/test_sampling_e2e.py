@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from libs.bus.broker import RemoteError, call, make_broker, on_event, start_broker
-from libs.engine import Engine, SamplingParams
+from libs.engine import Engine, SamplingSpec
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from conftest import TEST_ADMIN_KEY, TEST_API_KEY, generate_on_worker, one_worker_cluster
@@ -57,7 +57,7 @@ def engine(tiny_checkpoint):
 
 def engine_run(engine: Engine, prompt: list[int], **params) -> list[int]:
     """The token ids the engine (the one the workers run) gives for this request."""
-    engine.add_request("ref", prompt, SamplingParams(**params))
+    engine.add_request("ref", prompt, SamplingSpec(**params))
     ids = []
     while engine.has_work():
         ids += [o.token_id for o in engine.step()]
@@ -158,6 +158,18 @@ def test_chat_penalties_change_the_output_as_the_engine_does(client, tokenizer, 
         assert out.choices[0].message.content != plain.choices[0].message.content, (kw, extra)
 
 
+def test_min_p_samples_as_the_engine_does_and_at_1_keeps_only_the_likeliest_token(client, tokenizer, engine):
+    params = dict(max_tokens=16, temperature=1.0, seed=5)
+    greedy = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+    likeliest = client.completions.create(model="tiny", prompt=PROMPT, extra_body={"min_p": 1.0}, **params)
+    assert likeliest.choices[0].text == greedy.choices[0].text
+    free = client.completions.create(model="tiny", prompt=PROMPT, **params)
+    cut = client.completions.create(model="tiny", prompt=PROMPT, extra_body={"min_p": 0.5}, **params)
+    assert cut.choices[0].text == tokenizer.decode(engine_run(engine, PROMPT, min_p=0.5, **params),
+                                                   skip_special_tokens=True)
+    assert cut.choices[0].text != free.choices[0].text  # min_p changed what was sampled
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
@@ -171,6 +183,8 @@ def test_chat_penalties_change_the_output_as_the_engine_does(client, tokenizer, 
     ("/v1/completions", {"n": 9}, "n"),  # above LAYERCAST_MAX_N (8 by default)
     ("/v1/chat/completions", {"n": 9}, "n"),
     ("/v1/chat/completions", {"n": 0}, "n"),
+    ("/v1/completions", {"min_p": 1.5}, "min_p"),
+    ("/v1/chat/completions", {"min_p": -0.1}, "min_p"),
 ])
 def test_out_of_range_parameters_are_a_400_naming_them(cluster, path, body, param):
     base = ({"model": "tiny", "messages": CHAT} if "chat" in path else {"model": "tiny", "prompt": "x"})

@@ -8,7 +8,7 @@ import uuid
 import httpx
 import pytest
 
-from conftest import request_scale, running_cluster, wait_for
+from conftest import described, request_scale, running_cluster, wait_for
 from libs.protocol import subjects
 
 pytestmark = pytest.mark.slow
@@ -27,11 +27,6 @@ def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
             nats_url=nats_url, namespace=subjects.PREFIX,
             extra_env={"LAYERCAST_SCALE_DOWN_DELAY": "600"}) as state:
         yield state
-
-
-def described(cluster) -> dict:
-    return httpx.get(f"{cluster.gateway_url}/admin/v1/models/tiny", timeout=10,
-                     headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
 
 
 def ready_workers(cluster) -> set[str]:

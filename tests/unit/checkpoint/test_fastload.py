@@ -44,7 +44,7 @@ from libs.checkpoint.fastload import (
 )
 from libs.checkpoint import loader as loader_module
 from libs.checkpoint.loader import ReadStopped, read_exactly
-from libs.engine import Engine, SamplingParams
+from libs.engine import Engine, SamplingSpec
 from services.worker.host_cache import HostBlockCache
 
 N_BLOCKS = 4  # the tiny preset has 4 layers: one per block
@@ -529,7 +529,7 @@ PROMPTS = [[1, 17, 200, 45, 301, 99, 7, 450, 12, 64], [1, 2, 3], [1, 400, 401, 4
 
 def generate(engine: Engine, tag: str) -> dict[int, list[int]]:
     for i, p in enumerate(PROMPTS):
-        engine.add_request(f"{tag}-{i}", p, SamplingParams(temperature=0, max_tokens=12))
+        engine.add_request(f"{tag}-{i}", p, SamplingSpec(temperature=0, max_tokens=12))
     out: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     for _ in range(1000):
         if not engine.has_work():

@@ -12,7 +12,7 @@ from conftest_models import N_BLOCKS, arch, block_dir, hf_dir, load_all, referen
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig, MistralConfig, Qwen2Config
 
 from libs.checkpoint import CheckpointIndex, convert_checkpoint
-from libs.engine import SUPPORTED_MODEL_TYPES, AdmissionError, Engine, LayerRange, SamplingParams, warm_up
+from libs.engine import SUPPORTED_MODEL_TYPES, AdmissionError, Engine, LayerRange, SamplingSpec, warm_up
 
 PROMPT = [1, 17, 200, 45, 301, 99, 7, 450, 12, 64]
 DECODE = [42, 7, 333, 2]
@@ -206,7 +206,7 @@ def test_greedy_decode_matches_hf_generate(engine, ref, hf_dir):
     prompts[2] = tok(prompts[2], add_special_tokens=False)["input_ids"]
     max_new = 12
     for i, p in enumerate(prompts):  # all requests run concurrently in the engine
-        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=max_new))
+        engine.add_request(f"r{i}", p, SamplingSpec(temperature=0, max_tokens=max_new))
     results = drain(engine)
 
     eos = set(ref.generation_config.eos_token_id)
@@ -226,7 +226,7 @@ def test_greedy_decode_matches_hf_generate(engine, ref, hf_dir):
 
 def test_seeded_sampling_is_reproducible(engine):
     def sample(seed, **kw):
-        engine.add_request("s", PROMPT, SamplingParams(temperature=1.0, max_tokens=16, seed=seed, **kw))
+        engine.add_request("s", PROMPT, SamplingSpec(temperature=1.0, max_tokens=16, seed=seed, **kw))
         return [o.token_id for o in drain(engine)["s"]]
 
     assert sample(7) == sample(7)
@@ -235,21 +235,21 @@ def test_seeded_sampling_is_reproducible(engine):
 
     # Per-request generators: concurrent requests with the same seed do not disturb each other.
     for rid in ("a", "b"):
-        engine.add_request(rid, PROMPT, SamplingParams(temperature=0.8, max_tokens=10, seed=11))
+        engine.add_request(rid, PROMPT, SamplingSpec(temperature=0.8, max_tokens=10, seed=11))
     out = drain(engine)
     assert [o.token_id for o in out["a"]] == [o.token_id for o in out["b"]]
 
 
 def test_finish_reasons(block_dir):
     engine = Engine.from_checkpoint(block_dir, eos_token_ids=())  # no eos: only our stop ids end a request
-    engine.add_request("len", PROMPT, SamplingParams(temperature=0, max_tokens=6))
+    engine.add_request("len", PROMPT, SamplingSpec(temperature=0, max_tokens=6))
     outs = drain(engine)["len"]
     tokens = [o.token_id for o in outs]
     assert len(outs) == 6 and outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 6
     assert [o.finish_reason for o in outs[:-1]] == [None] * 5
 
     stop = tokens[3]
-    engine.add_request("stop", PROMPT, SamplingParams(temperature=0, max_tokens=6, stop_token_ids=(stop,)))
+    engine.add_request("stop", PROMPT, SamplingSpec(temperature=0, max_tokens=6, stop_token_ids=(stop,)))
     outs = drain(engine)["stop"]
     expected_len = tokens.index(stop) + 1
     assert [o.token_id for o in outs] == tokens[:expected_len]
@@ -257,7 +257,7 @@ def test_finish_reasons(block_dir):
 
     # eos of the model also stops (with reason "stop").
     eos_engine = Engine.from_checkpoint(block_dir, eos_token_ids=(tokens[0],))
-    eos_engine.add_request("eos", PROMPT, SamplingParams(temperature=0, max_tokens=6))
+    eos_engine.add_request("eos", PROMPT, SamplingSpec(temperature=0, max_tokens=6))
     outs = drain(eos_engine)["eos"]
     assert len(outs) == 1 and outs[0].finish_reason == "stop"
 
@@ -267,9 +267,9 @@ def test_eos_ids_come_from_config_and_generation_config(engine, ref):
 
 
 def test_cancel(engine):
-    engine.add_request("keep", PROMPT, SamplingParams(temperature=0, max_tokens=5))
-    engine.add_request("drop", PROMPT, SamplingParams(temperature=0, max_tokens=5))
-    engine.add_request("never", PROMPT, SamplingParams(temperature=0, max_tokens=5))
+    engine.add_request("keep", PROMPT, SamplingSpec(temperature=0, max_tokens=5))
+    engine.add_request("drop", PROMPT, SamplingSpec(temperature=0, max_tokens=5))
+    engine.add_request("never", PROMPT, SamplingSpec(temperature=0, max_tokens=5))
     assert engine.cancel("never")  # cancelled before its prefill
     first = engine.step()
     assert sorted(o.request_id for o in first) == ["drop", "keep"]
@@ -283,18 +283,18 @@ def test_cancel(engine):
 def test_admission(block_dir, engine):
     small = Engine.from_checkpoint(block_dir, max_batch_size=2, max_seq_len=32, max_queue=1)
     with pytest.raises(AdmissionError, match="max_seq_len"):
-        small.add_request("long", list(range(1, 30)), SamplingParams(max_tokens=4))
-    small.add_request("ok", list(range(1, 29)), SamplingParams(max_tokens=4))  # exactly 32
-    small.add_request("ok2", [1], SamplingParams(max_tokens=4))
-    small.add_request("queued", [1], SamplingParams(max_tokens=4))  # waits for a KV slot
+        small.add_request("long", list(range(1, 30)), SamplingSpec(max_tokens=4))
+    small.add_request("ok", list(range(1, 29)), SamplingSpec(max_tokens=4))  # exactly 32
+    small.add_request("ok2", [1], SamplingSpec(max_tokens=4))
+    small.add_request("queued", [1], SamplingSpec(max_tokens=4))  # waits for a KV slot
     with pytest.raises(AdmissionError, match="full"):
-        small.add_request("fourth", [1], SamplingParams(max_tokens=4))
+        small.add_request("fourth", [1], SamplingSpec(max_tokens=4))
     with pytest.raises(ValueError, match="already"):
-        small.add_request("ok", [1], SamplingParams())
+        small.add_request("ok", [1], SamplingSpec())
     with pytest.raises(ValueError, match="empty"):
-        engine.add_request("e", [], SamplingParams())
+        engine.add_request("e", [], SamplingSpec())
     with pytest.raises(ValueError, match="out of range"):
-        engine.add_request("v", [1, 10_000], SamplingParams())
+        engine.add_request("v", [1, 10_000], SamplingSpec())
     assert set(drain(small)) == {"ok", "ok2", "queued"}
     assert not engine.has_work()
 
@@ -306,12 +306,12 @@ def test_admission(block_dir, engine):
 )
 def test_sampling_params_validation(kwargs):
     with pytest.raises(ValueError):
-        SamplingParams(**kwargs)
+        SamplingSpec(**kwargs)
 
 
 def test_sampling_params_normalises_stop_ids():
-    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
-    assert SamplingParams(temperature=0).greedy
+    assert SamplingSpec(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    assert SamplingSpec(temperature=0).greedy
 
 
 def test_from_checkpoint_index(block_dir, engine):
@@ -367,7 +367,7 @@ def test_engine_over_a_live_load_job_matches_the_engine_over_loaded_blocks(block
     job = BlockLoader("cpu", LoaderConfig(chunk_bytes=4096, threads=2)).start(block_dir, index)
     live = Engine(index, job, device="cpu", max_batch_size=4, max_seq_len=256)
     for e in (live, engine):
-        e.add_request("same", PROMPT, SamplingParams(temperature=0, max_tokens=8))
+        e.add_request("same", PROMPT, SamplingSpec(temperature=0, max_tokens=8))
     assert [o.token_id for o in drain(live)["same"]] == [o.token_id for o in drain(engine)["same"]]
     assert live.model.complete
 
@@ -423,7 +423,7 @@ def test_waiting_prompts_are_prefilled_together_and_decode_as_if_alone(block_dir
     every waiting prompt, n the shortest remainder), and each request's tokens equal those it
     gets running alone."""
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16, 17, 18], [19, 20, 21, 22, 23, 24, 25]]
-    params = SamplingParams(temperature=0, max_tokens=6)
+    params = SamplingSpec(temperature=0, max_tokens=6)
     alone = {}
     for i, p in enumerate(prompts):
         solo = Engine.from_checkpoint(block_dir, max_batch_size=8, max_seq_len=64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import conftest_models
 import pytest
 
-from libs.engine import AdmissionError, Engine, SamplingParams
+from libs.engine import AdmissionError, Engine, SamplingSpec
 
 arch, hf_dir, block_dir = conftest_models.arch, conftest_models.hf_dir, conftest_models.block_dir  # fixtures
 PROMPT = [1, 17, 200, 45, 301, 99, 7, 450, 12, 64]
@@ -41,7 +41,7 @@ def count_prefill(engine: Engine) -> list[int]:
     return counted
 
 
-def solo(block_dir, params: SamplingParams, outputs: bool = False, **kw):
+def solo(block_dir, params: SamplingSpec, outputs: bool = False, **kw):
     engine = Engine.from_checkpoint(block_dir, max_batch_size=8, max_seq_len=64, eos_token_ids=(), **kw)
     engine.add_request("x", PROMPT, params)
     out = drain(engine)
@@ -53,10 +53,10 @@ def test_the_prompt_is_prefilled_once_and_greedy_choices_equal_n1(block_dir, spl
     """n=4 through one stage or a two-stage pipeline: each stage sees the prompt's tokens once
     (not 4 times), every choice's first token comes in the prefill's step, and greedy choices
     all equal the n=1 output."""
-    want = solo(block_dir, SamplingParams(temperature=0, max_tokens=8))
+    want = solo(block_dir, SamplingSpec(temperature=0, max_tokens=8))
     engine = Engine.from_checkpoint(block_dir, max_batch_size=8, max_seq_len=64, eos_token_ids=(), splits=splits)
     prefilled = count_prefill(engine)
-    engine.add_request("r", PROMPT, SamplingParams(temperature=0, max_tokens=8, n=4))
+    engine.add_request("r", PROMPT, SamplingSpec(temperature=0, max_tokens=8, n=4))
     first = engine.step()
     assert sorted(o.choice for o in first) == [0, 1, 2, 3]
     assert prefilled == [len(PROMPT)] * len(engine.stages)
@@ -75,7 +75,7 @@ def test_seeded_choices_differ_are_reproducible_and_each_samples_as_seed_plus_i(
     different from its siblings, and proof that each fork's KV equals the prompt's own
     (one stage or two): the same tokens, and the same logprobs (the model's, so any difference
     in a choice's KV shows)."""
-    params = SamplingParams(temperature=1.0, max_tokens=12, seed=7, n=3, logprobs=0)
+    params = SamplingSpec(temperature=1.0, max_tokens=12, seed=7, n=3, logprobs=0)
 
     def run() -> dict:
         engine = Engine.from_checkpoint(block_dir, max_batch_size=8, max_seq_len=64, eos_token_ids=(), splits=splits)
@@ -87,7 +87,7 @@ def test_seeded_choices_differ_are_reproducible_and_each_samples_as_seed_plus_i(
     assert got == tokens(run())
     assert len({tuple(t) for t in got.values()}) == 3
     for c in range(3):
-        alone = solo(block_dir, SamplingParams(temperature=1.0, max_tokens=12, seed=7 + c, logprobs=0), outputs=True)
+        alone = solo(block_dir, SamplingSpec(temperature=1.0, max_tokens=12, seed=7 + c, logprobs=0), outputs=True)
         assert got[c] == [o.token_id for o in alone]
         assert [o.logprob for o in out[("r", c)]] == pytest.approx([o.logprob for o in alone], abs=1e-5)
 
@@ -95,12 +95,12 @@ def test_seeded_choices_differ_are_reproducible_and_each_samples_as_seed_plus_i(
 def test_choices_take_slots_together_and_cancel_together(block_dir):
     engine = Engine.from_checkpoint(block_dir, max_batch_size=4, max_seq_len=64, eos_token_ids=(), max_queue=4)
     with pytest.raises(AdmissionError, match="n=5"):
-        engine.add_request("big", PROMPT, SamplingParams(max_tokens=4, n=5))
-    engine.add_request("one", PROMPT, SamplingParams(temperature=0, max_tokens=3))
-    engine.add_request("four", PROMPT, SamplingParams(temperature=0, max_tokens=3, n=4))
+        engine.add_request("big", PROMPT, SamplingSpec(max_tokens=4, n=5))
+    engine.add_request("one", PROMPT, SamplingSpec(temperature=0, max_tokens=3))
+    engine.add_request("four", PROMPT, SamplingSpec(temperature=0, max_tokens=3, n=4))
     assert engine.num_requests == 5
     with pytest.raises(AdmissionError, match="full"):
-        engine.add_request("more", PROMPT, SamplingParams(max_tokens=3, n=4))  # 9 choices > 4 + 4
+        engine.add_request("more", PROMPT, SamplingSpec(max_tokens=3, n=4))  # 9 choices > 4 + 4
     steps = []
     while engine.has_work():
         steps.append({(o.request_id, o.choice) for o in engine.step()})
@@ -108,7 +108,7 @@ def test_choices_take_slots_together_and_cancel_together(block_dir):
     started = next(i for i, s in enumerate(steps) if ("four", 0) in s)
     assert started >= 3 and {("four", c) for c in range(4)} <= steps[started]
 
-    engine.add_request("gone", PROMPT, SamplingParams(temperature=0, max_tokens=10, n=3))
+    engine.add_request("gone", PROMPT, SamplingSpec(temperature=0, max_tokens=10, n=3))
     engine.step()
     assert engine.free_slots == 1
     assert engine.cancel("gone") and not engine.cancel("gone")
@@ -118,14 +118,14 @@ def test_choices_take_slots_together_and_cancel_together(block_dir):
 def test_a_handed_over_request_resumes_its_unfinished_choices(block_dir):
     """Hand-over with n>1: the choices still running, each with its tokens so far; the prompt is
     still prefilled once (each choice's own tokens after the copy), and each goes on where it was."""
-    want = solo(block_dir, SamplingParams(temperature=0, max_tokens=8))
+    want = solo(block_dir, SamplingSpec(temperature=0, max_tokens=8))
     engine = Engine.from_checkpoint(block_dir, max_batch_size=8, max_seq_len=64, eos_token_ids=())
     prefilled = count_prefill(engine)
-    engine.add_request("r", PROMPT, SamplingParams(temperature=0, max_tokens=8, n=4),
+    engine.add_request("r", PROMPT, SamplingSpec(temperature=0, max_tokens=8, n=4),
                        choices={1: want[:3], 2: [], 3: want[:5]})
     got = tokens(drain(engine))
     assert got == {1: want[3:], 2: want, 3: want[5:]}
     # The prompt once, then choice 1's two and choice 3's four tokens before their last one.
     assert prefilled == [len(PROMPT) + 2 + 4]
     with pytest.raises(ValueError, match="choices"):
-        engine.add_request("bad", PROMPT, SamplingParams(n=2), choices={2: []})
+        engine.add_request("bad", PROMPT, SamplingSpec(n=2), choices={2: []})

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from libs.engine import Engine, SamplingParams, kv_slot_bytes_of
+from libs.engine import Engine, SamplingSpec, kv_slot_bytes_of
 from libs.engine.kv import SlotKVCache, kv_bytes_per_slot
 
 arch, hf_dir, block_dir = conftest_models.arch, conftest_models.hf_dir, conftest_models.block_dir  # fixtures
@@ -32,10 +32,10 @@ def _run(engine: Engine, resizes: dict[int, int]) -> dict[str, list[int]]:
     for k in range(60):
         if k == 0:
             for rid, prompt, n in REQUESTS[:2]:
-                engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n))
+                engine.add_request(rid, prompt, SamplingSpec(temperature=0, max_tokens=n))
         if k == 3:
             for rid, prompt, n in REQUESTS[2:]:
-                engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n))
+                engine.add_request(rid, prompt, SamplingSpec(temperature=0, max_tokens=n))
         if k in resizes:
             engine.resize_kv(resizes[k])
             assert engine.kv_slots == engine.max_batch_size == resizes[k]
@@ -71,7 +71,7 @@ def test_a_resize_below_the_slots_in_use_is_refused_and_changes_nothing(block_di
     engine = _engine(block_dir, splits)
     out: dict[str, list[int]] = {}
     for rid, prompt, n in REQUESTS:
-        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n))
+        engine.add_request(rid, prompt, SamplingSpec(temperature=0, max_tokens=n))
     _step(engine, out)
     caches = [st.kv for st in engine.stages]
     pools = [list(c.keys) for c in caches]
@@ -86,7 +86,7 @@ def test_a_resize_below_the_slots_in_use_is_refused_and_changes_nothing(block_di
     # Their tokens as if started together on an engine never resized.
     alone = _engine(block_dir, splits)
     for rid, prompt, n in REQUESTS:
-        alone.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n))
+        alone.add_request(rid, prompt, SamplingSpec(temperature=0, max_tokens=n))
     ref: dict[str, list[int]] = {}
     while alone.has_work():
         _step(alone, ref)
@@ -99,7 +99,7 @@ def test_a_multi_stage_engine_resizes_every_stage_or_none(block_dir):
     assert len(engine.stages) == 2
     out: dict[str, list[int]] = {}
     for rid, prompt, n in REQUESTS[:2]:
-        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n))
+        engine.add_request(rid, prompt, SamplingSpec(temperature=0, max_tokens=n))
     for _ in range(3):
         _step(engine, out)
     second = engine.stages[1]
@@ -116,7 +116,7 @@ def test_a_multi_stage_engine_resizes_every_stage_or_none(block_dir):
     engine.resize_kv(5)
     assert [st.slots for st in engine.stages] == [5, 5]
     for rid, prompt, n in REQUESTS[2:]:
-        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n))
+        engine.add_request(rid, prompt, SamplingSpec(temperature=0, max_tokens=n))
     while engine.has_work():
         _step(engine, out)
     assert out == reference

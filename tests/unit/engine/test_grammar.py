@@ -16,7 +16,7 @@ from llguidance import LLMatcher
 from test_engine import drain
 from transformers import AutoTokenizer
 
-from libs.engine import Constraint, Engine, SamplingParams, grammar_tokenizer
+from libs.engine import Constraint, Engine, SamplingSpec, grammar_tokenizer
 from libs.engine.grammar import mask_logits
 
 # Compact-ish JSON with fixed separators, as the gateway asks (services/gateway/structured.py).
@@ -45,7 +45,7 @@ def tokenizer(tiny_checkpoint):
 
 
 def run(engine: Engine, tokenizer, schema: dict | None, **params) -> tuple[str, list]:
-    engine.add_request("r", PROMPT, SamplingParams(grammar=grammar(schema) if schema else None, **params))
+    engine.add_request("r", PROMPT, SamplingSpec(grammar=grammar(schema) if schema else None, **params))
     outs = drain(engine)["r"]
     ids = [o.token_id for o in outs if o.token_id not in engine.eos_token_ids]
     return tokenizer.decode(ids), outs
@@ -77,9 +77,9 @@ def test_output_ends_where_the_grammar_does_and_logprobs_stay_the_models(engine,
 
 def test_json_object_is_any_object_and_unconstrained_neighbours_are_untouched(engine, tokenizer):
     alone, _ = run(engine, tokenizer, None, max_tokens=12, temperature=0)
-    engine.add_request("json", PROMPT, SamplingParams(grammar=grammar({"type": "object"}), max_tokens=300,
+    engine.add_request("json", PROMPT, SamplingSpec(grammar=grammar({"type": "object"}), max_tokens=300,
                                                       temperature=0.8, seed=5))
-    engine.add_request("free", PROMPT, SamplingParams(max_tokens=12, temperature=0))
+    engine.add_request("free", PROMPT, SamplingSpec(max_tokens=12, temperature=0))
     out = drain(engine)
     ids = [o.token_id for o in out["json"] if o.token_id not in engine.eos_token_ids]
     if out["json"][-1].finish_reason == "stop":
@@ -93,7 +93,7 @@ def test_json_object_is_any_object_and_unconstrained_neighbours_are_untouched(en
 def test_a_resumed_request_goes_on_under_its_grammar(engine, tokenizer, at):
     """Hand-over (KV recompute): the generated ids are replayed into a new matcher, so the
     resumed request continues the same JSON (greedy: the very same tokens)."""
-    params = SamplingParams(grammar=grammar(PERSON), max_tokens=200, temperature=0)
+    params = SamplingSpec(grammar=grammar(PERSON), max_tokens=200, temperature=0)
     engine.add_request("full", PROMPT, params)
     full = [o.token_id for o in drain(engine)["full"]]
     assert len(full) > at
@@ -106,7 +106,7 @@ def test_a_resumed_request_goes_on_under_its_grammar(engine, tokenizer, at):
 def test_tokens_off_the_grammar_are_refused_on_resume(engine):
     bad = [17, 200]  # not a JSON object's start
     with pytest.raises(ValueError, match="do not follow the grammar"):
-        engine.add_request("bad", PROMPT, SamplingParams(grammar=grammar(PERSON), max_tokens=20), generated_ids=bad)
+        engine.add_request("bad", PROMPT, SamplingSpec(grammar=grammar(PERSON), max_tokens=20), generated_ids=bad)
     assert engine.num_requests == 0
 
 

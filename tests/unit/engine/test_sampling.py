@@ -8,7 +8,7 @@ import torch
 from conftest_models import arch, block_dir, hf_dir, reference_model  # noqa: F401  (fixtures)
 from test_engine import drain
 
-from libs.engine import Engine, SamplingParams, apply_penalties, token_logprobs
+from libs.engine import Engine, SamplingSpec, apply_penalties, sample_token, token_logprobs
 
 PROMPT = [1, 17, 200, 45, 301, 99, 7, 450, 12, 64]
 OTHER = [300, 2, 9, 44, 81, 7, 120]
@@ -54,16 +54,16 @@ def test_penalties_follow_their_definitions():
     prompt, output = [0, 4], [3, 3, 2]
     for kw in (dict(presence=0.5), dict(frequency=0.7), dict(repetition=1.5), dict(repetition=0.8),
                dict(presence=-1.0, frequency=2.0, repetition=1.3)):
-        params = SamplingParams(presence_penalty=kw.get("presence", 0.0), frequency_penalty=kw.get("frequency", 0.0),
+        params = SamplingSpec(presence_penalty=kw.get("presence", 0.0), frequency_penalty=kw.get("frequency", 0.0),
                                 repetition_penalty=kw.get("repetition", 1.0))
         got = apply_penalties(logits, params, prompt, output)
         assert got.tolist() == pytest.approx(by_hand(logits.tolist(), prompt, output, **kw), abs=1e-6), kw
     # Written out once: presence 0.5, frequency 0.7, repetition 2 over prompt [0, 4] and output [3, 3, 2].
-    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.7, repetition_penalty=2.0)
+    params = SamplingSpec(presence_penalty=0.5, frequency_penalty=0.7, repetition_penalty=2.0)
     assert apply_penalties(logits, params, prompt, output).tolist() == pytest.approx(
         [1.0, -1.0, 0.25 - 0.7 - 0.5, 1.5 - 1.4 - 0.5, -4.0, 0.25])
     # No penalties: the logits untouched (no copy, no cost).
-    assert apply_penalties(logits, SamplingParams(), prompt, output) is logits
+    assert apply_penalties(logits, SamplingSpec(), prompt, output) is logits
 
 
 @pytest.mark.parametrize("kwargs", [dict(presence_penalty=2.5), dict(frequency_penalty=-2.01),
@@ -72,7 +72,20 @@ def test_penalties_follow_their_definitions():
                                     dict(logprobs=True), dict(logprobs=2.0)])
 def test_sampling_params_validation(kwargs):
     with pytest.raises(ValueError):
-        SamplingParams(**kwargs)
+        SamplingSpec(**kwargs)
+
+
+def test_min_p_keeps_only_the_tokens_at_least_min_p_times_as_likely_as_the_likeliest():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()  # these probabilities at temperature 1
+    gen = torch.Generator().manual_seed(0)
+
+    def drawn(min_p: float) -> set[int]:
+        return {sample_token(logits, SamplingSpec(min_p=min_p), gen) for _ in range(300)}
+
+    assert drawn(0.5) == {0, 1}  # p >= 0.25
+    assert drawn(0.2) == {0, 1, 2}  # p >= 0.1
+    assert drawn(1.0) == {0}
+    assert drawn(0.0) == {0, 1, 2, 3}  # off
 
 
 def test_token_logprobs_are_the_log_softmax_and_its_top_k():
@@ -91,11 +104,11 @@ def test_token_logprobs_are_the_log_softmax_and_its_top_k():
 def test_logprobs_equal_hf_log_softmax_in_a_batch_and_after_a_hand_over(engine, ref):
     """Logprobs are the raw model's (log-softmax of its logits), whatever the penalties and the
     temperature did to the choice; each request in a batch gets its own."""
-    engine.add_request("greedy", PROMPT, SamplingParams(temperature=0, max_tokens=12, logprobs=20))
-    engine.add_request("sampled", OTHER, SamplingParams(temperature=1.3, top_p=0.9, seed=5, max_tokens=12,
+    engine.add_request("greedy", PROMPT, SamplingSpec(temperature=0, max_tokens=12, logprobs=20))
+    engine.add_request("sampled", OTHER, SamplingSpec(temperature=1.3, top_p=0.9, seed=5, max_tokens=12,
                                                         frequency_penalty=1.0, repetition_penalty=1.2, logprobs=5))
-    engine.add_request("chosen-only", PROMPT, SamplingParams(temperature=0.7, seed=1, max_tokens=6, logprobs=0))
-    engine.add_request("none", OTHER, SamplingParams(temperature=0, max_tokens=6))
+    engine.add_request("chosen-only", PROMPT, SamplingSpec(temperature=0.7, seed=1, max_tokens=6, logprobs=0))
+    engine.add_request("none", OTHER, SamplingSpec(temperature=0, max_tokens=6))
     out = drain(engine)
     assert all(o.logprob is None and o.top_logprobs == () for o in out["none"])
     assert all(o.top_logprobs == () and o.logprob is not None for o in out["chosen-only"])
@@ -112,7 +125,7 @@ def test_logprobs_equal_hf_log_softmax_in_a_batch_and_after_a_hand_over(engine, 
             assert all(o.token_id == o.top_logprobs[0][0] for o in out[rid])
     # Handed over after 5 tokens (KV recompute with its generated ids): the same logprobs go on.
     tokens = [o.token_id for o in out["sampled"]]
-    params = SamplingParams(temperature=0, max_tokens=12, frequency_penalty=1.0, repetition_penalty=1.2, logprobs=5)
+    params = SamplingSpec(temperature=0, max_tokens=12, frequency_penalty=1.0, repetition_penalty=1.2, logprobs=5)
     engine.add_request("moved", OTHER, params, generated_ids=tokens[:5])
     moved = drain(engine)["moved"]
     want = torch.log_softmax(hf_step_logits(ref, OTHER, tokens[:5] + [o.token_id for o in moved]), dim=-1)
@@ -122,7 +135,7 @@ def test_logprobs_equal_hf_log_softmax_in_a_batch_and_after_a_hand_over(engine, 
 
 
 def greedy_tokens(engine: Engine, rid: str, prompt: list[int], n: int, **kw) -> list[int]:
-    engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n, **kw))
+    engine.add_request(rid, prompt, SamplingSpec(temperature=0, max_tokens=n, **kw))
     return [o.token_id for o in drain(engine)[rid]]
 
 
@@ -134,8 +147,8 @@ def test_penalized_greedy_follows_the_definitions_step_by_step(engine, ref):
              "rep": dict(repetition_penalty=1.4), "all": dict(presence_penalty=-0.1, frequency_penalty=0.15,
                                                               repetition_penalty=0.9)}
     for rid, kw in cases.items():
-        engine.add_request(rid, PROMPT, SamplingParams(temperature=0, max_tokens=n, **kw))
-    engine.add_request("plain", PROMPT, SamplingParams(temperature=0, max_tokens=n))
+        engine.add_request(rid, PROMPT, SamplingSpec(temperature=0, max_tokens=n, **kw))
+    engine.add_request("plain", PROMPT, SamplingSpec(temperature=0, max_tokens=n))
     out = {rid: [o.token_id for o in outs] for rid, outs in drain(engine).items()}
     assert out["plain"] == greedy_tokens(engine, "alone", PROMPT, n)  # a neighbour's penalties do not leak
     for rid, kw in cases.items():
@@ -186,13 +199,13 @@ def test_penalties_survive_a_hand_over(engine):
     kw = dict(frequency_penalty=0.4, presence_penalty=0.3, repetition_penalty=1.25)
     whole = greedy_tokens(engine, "whole", PROMPT, 20, **kw)
     for at in (1, 7, 13):
-        engine.add_request(f"moved{at}", PROMPT, SamplingParams(temperature=0, max_tokens=20, **kw),
+        engine.add_request(f"moved{at}", PROMPT, SamplingSpec(temperature=0, max_tokens=20, **kw),
                            generated_ids=whole[:at])
         assert whole[:at] + [o.token_id for o in drain(engine)[f"moved{at}"]] == whole
     # Seeded sampling with penalties is reproducible too.
     sampled = dict(temperature=1.0, seed=3, max_tokens=16, **kw)
     runs = []
     for rid in ("s1", "s2"):
-        engine.add_request(rid, OTHER, SamplingParams(**sampled))
+        engine.add_request(rid, OTHER, SamplingSpec(**sampled))
         runs.append([o.token_id for o in drain(engine)[rid]])
     assert runs[0] == runs[1]

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 from services.gateway import service as gateway
 from services.gateway.routing import ModelRoutes
+from services.gateway.workers import InMemoryWorkerClient
 from libs.protocol import messages as m
 
 
@@ -51,14 +52,10 @@ def _event(choice: int, index: int, token: int | None, instance: str, finished: 
                         error=error, prompt_tokens=2)
 
 
-async def test_a_hand_over_resumes_the_unfinished_choices_from_their_own_tokens(monkeypatch):
+async def test_a_hand_over_resumes_the_unfinished_choices_from_their_own_tokens():
     """Choice 1 ended, choice 0 had 2 tokens when its instance failed: the hand-over asks the
     next instance for choice 0 only, from its 2 tokens; the client sees each choice's tokens
     once (a late token of the old instance is dropped), usage sums the choices."""
-    async def publish(*_a, **_k):
-        pass
-
-    monkeypatch.setattr(gateway, "publish", publish)
     routes = ModelRoutes("m", max_queue=4, slots_per_instance=8)
     routes.add("old", "w1")
     dispatched = []
@@ -73,7 +70,9 @@ async def test_a_hand_over_resumes_the_unfinished_choices_from_their_own_tokens(
             gen.queue.put_nowait(ev)
         return routes.routes["new"]
 
-    gw = SimpleNamespace(config=gateway.GatewayConfig(first_token_timeout_s=2, token_timeout_s=2), dispatch=dispatch, broker=None, streams={})
+    workers = InMemoryWorkerClient()
+    gw = SimpleNamespace(config=gateway.GatewayConfig(first_token_timeout_s=2, token_timeout_s=2), dispatch=dispatch,
+                         workers=workers, streams={})
     entry = SimpleNamespace(info=SimpleNamespace(name="m"), tokenizer=_Tokenizer(), eos_ids=[], routes=routes,
                             ttft_samples=[])
     old = await routes.acquire(1, weight=2)
@@ -86,6 +85,7 @@ async def test_a_hand_over_resumes_the_unfinished_choices_from_their_own_tokens(
         gen.queue.put_nowait(ev)
     pieces = [p async for p in gen]
     assert dispatched == [([], {0: [0, 2]})]
+    assert workers.cancels == [("w1", m.CancelRequest(request_id="r", instance_id="old"))]  # the old one stops
     assert gen.route.instance_id == "new"
     text = {i: "".join(p.text for p in pieces if p.index == i) for i in (0, 1)}
     assert text == {0: "acad", 1: "bd"}

@@ -11,13 +11,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
-from libs.bus.broker import DomainError, make_broker, rpc, start_broker
+from libs.bus.broker import DomainError
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from services.gateway import service as gateway
 from services.gateway.errors import APIError
 from services.gateway.routing import REFUSAL_HOLD_S, ModelRoutes
 from services.gateway.service import GatewayConfig, GatewayService, ModelEntry
+from services.gateway.workers import GenerateHandler, InMemoryWorkerClient
 
 # --- routing order --------------------------------------------------------------------------------
 
@@ -140,7 +141,7 @@ async def test_a_refused_request_is_no_new_arrival_and_keeps_its_place_in_a_full
     later.cancel()
 
 
-# --- dispatch against stand-ins for workers on real NATS ----------------------------------------------
+# --- dispatch to in-memory workers ----------------------------------------------
 
 
 def _entry(routes: ModelRoutes, **slos) -> ModelEntry:
@@ -150,58 +151,42 @@ def _entry(routes: ModelRoutes, **slos) -> ModelEntry:
     return ModelEntry(info, tokenizer=None, context_len=64, eos_ids=[], routes=routes, max_prompt_bytes=1024)
 
 
-class StandInWorkers:
-    """Not workers: plain responders on subjects.worker_generate answering as a mesh worker's
-    generate RPC does, each refusing ("busy") its first `refusals[worker]` requests; those in
-    `stalled` answer only once `answer` is set, those in `stopping` as a draining instance. The cancels they are sent are kept."""
+def _worker(refusals: int, answer: asyncio.Event | None, stopping: bool) -> GenerateHandler:
+    """A worker's generate as a mesh worker's RPC answers it: refusing ("busy") its first
+    `refusals` requests; with `answer`, stalled until it is set; `stopping`, as a worker whose
+    instance is draining."""
+    left = refusals
 
-    def __init__(self, nats_url: str, refusals: dict[str, int], stalled: tuple[str, ...] = (),
-                 stopping: tuple[str, ...] = ()):
-        self.broker = make_broker(nats_url)
-        self.refusals, self.stalled, self.answer = dict(refusals), stalled, asyncio.Event()
-        self.stopping = stopping  # answer as a worker whose instance is draining
-        self.received: list[tuple[str, m.GenerateRequest]] = []
-        self.cancels: list[tuple[str, m.CancelRequest]] = []
-        for worker in refusals:
-            self.broker.subscriber(subjects.worker_generate(worker))(rpc(m.GenerateRequest)(self._handler(worker)))
-            self.broker.subscriber(subjects.worker_cancel(worker))(self._cancelled(worker))
-
-    def _cancelled(self, worker: str):
-        async def cancel(msg: m.CancelRequest) -> None:
-            self.cancels.append((worker, msg))
-        return cancel
-
-    def _handler(self, worker: str):
-        async def generate(req: m.GenerateRequest) -> m.GenerateAccepted:
-            self.received.append((worker, req))
-            if worker in self.stalled:
-                await self.answer.wait()
-            if worker in self.stopping:
-                raise DomainError(f"instance {req.instance_id} is not serving on {worker}", code="unavailable")
-            if self.refusals[worker] > 0:
-                self.refusals[worker] -= 1
-                raise DomainError("taking it would push a request past its TPOT SLO", code="busy")
-            return m.GenerateAccepted(request_id=req.request_id)
-        return generate
+    async def generate(req: m.GenerateRequest) -> m.GenerateAccepted:
+        nonlocal left
+        if answer is not None:
+            await answer.wait()
+        if stopping:
+            raise DomainError(f"instance {req.instance_id} is not serving", code="unavailable")
+        if left > 0:
+            left -= 1
+            raise DomainError("taking it would push a request past its TPOT SLO", code="busy")
+        return m.GenerateAccepted(request_id=req.request_id)
+    return generate
 
 
 @pytest.fixture
-async def gateway_and_workers(nats_url):
-    made = []
+async def gateway_and_workers():
+    """A gateway whose workers are in-memory (`InMemoryWorkerClient`: what they are sent is in
+    its `received` and `cancels`), those in `stalled` answering only once the test is over."""
+    answer = asyncio.Event()
 
     async def make(sharing: str, refusals: dict[str, int], queue_timeout_s: float = 5.0,
                    stalled: tuple[str, ...] = (), dispatch_timeout_s: float = 5.0, stopping: tuple[str, ...] = ()):
+        workers = InMemoryWorkerClient()
+        for worker, refused in refusals.items():
+            workers.add(worker, _worker(refused, answer if worker in stalled else None, worker in stopping))
         gw = GatewayService(GatewayConfig(sharing=sharing, queue_timeout_s=queue_timeout_s,
-                                          dispatch_timeout_s=dispatch_timeout_s), nats_url)
-        workers = StandInWorkers(nats_url, refusals, stalled, stopping)
-        for b in (gw.broker, workers.broker):
-            await start_broker(b)
-            made.append(b)
+                                          dispatch_timeout_s=dispatch_timeout_s), workers=workers)
         return gw, workers
 
     yield make
-    for b in made:
-        await b.stop()
+    answer.set()
 
 
 def _refusals(model: str) -> float:
@@ -287,7 +272,6 @@ async def test_a_dispatch_cancelled_mid_rpc_gives_its_slot_back_and_cancels_on_t
             break
         await asyncio.sleep(0.02)
     assert [(w, c.request_id, c.instance_id) for w, c in workers.cancels] == [("w1", "r5", "only")]
-    workers.answer.set()
 
 
 async def test_a_worker_that_does_not_answer_in_time_has_that_attempt_cancelled_and_the_request_goes_on(
@@ -312,7 +296,6 @@ async def test_a_worker_that_does_not_answer_in_time_has_that_attempt_cancelled_
         ("w-slow", "r6", "slow", late.attempt)]
     assert "slow" not in routes.routes  # passed over until the next sync with the registry
     assert REGISTRY.get_sample_value("layercast_gateway_unanswered_dispatches_total", {"model": "unanswered"}) == 1
-    workers.answer.set()
 
 
 @pytest.mark.parametrize("why", ["stalled", "stopping"])
@@ -339,7 +322,6 @@ async def test_timeouts_and_stopping_instances_do_not_fail_a_request_before_its_
         assert len(workers.received) == 4
     routes.add("ok", "w-ok")
     assert (await asyncio.wait_for(task, 3)).instance_id == "ok"
-    workers.answer.set()
 
 
 # --- preemption (§7.1): a worker moves a request out, the gateway hands it over -----------------
@@ -353,13 +335,9 @@ class _Letters:
         return [chr(ord("a") + t) for t in ids]
 
 
-async def _moved_three_times(monkeypatch, preempted: bool) -> tuple[str, list[list[int]]]:
+async def _moved_three_times(preempted: bool) -> tuple[str, list[list[int]]]:
     """A request moved out of its instance after each of its first three tokens: the text the
     client gets (or the error it ends with) and the tokens each hand-over resumed from."""
-    async def publish(*_a, **_k):
-        pass
-
-    monkeypatch.setattr(gateway, "publish", publish)
     routes = ModelRoutes("m", max_queue=4, slots_per_instance=8, sharing="mesh")
     for k in range(4):
         routes.add(f"i{k}", f"w{k}")
@@ -383,7 +361,7 @@ async def _moved_three_times(monkeypatch, preempted: bool) -> tuple[str, list[li
         return routes.routes[f"i{k}"]
 
     gw = SimpleNamespace(config=GatewayConfig(first_token_timeout_s=2, token_timeout_s=2), dispatch=dispatch,
-                         broker=None, streams={})
+                         workers=InMemoryWorkerClient(), streams={})
     entry = SimpleNamespace(info=SimpleNamespace(name="m"), tokenizer=_Letters(), eos_ids=[], routes=routes,
                             ttft_samples=[])
     routes.routes["i0"].in_flight += 1
@@ -398,12 +376,12 @@ async def _moved_three_times(monkeypatch, preempted: bool) -> tuple[str, list[li
     return text, resumed
 
 
-async def test_a_preempted_request_is_handed_over_as_often_as_it_is_moved(monkeypatch):
-    text, resumed = await _moved_three_times(monkeypatch, preempted=True)
+async def test_a_preempted_request_is_handed_over_as_often_as_it_is_moved():
+    text, resumed = await _moved_three_times(preempted=True)
     assert text == "abcd" and resumed == [[0], [0, 1], [0, 1, 2]]  # one unbroken stream
 
 
-async def test_three_failures_still_end_a_request(monkeypatch):
+async def test_three_failures_still_end_a_request():
     # The same events without `preempted` are failures: the third is one too many.
-    text, resumed = await _moved_three_times(monkeypatch, preempted=False)
+    text, resumed = await _moved_three_times(preempted=False)
     assert text.startswith("503") and len(resumed) == 2

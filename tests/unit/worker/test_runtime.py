@@ -4,7 +4,7 @@ import asyncio
 import time
 
 from libs.checkpoint import CheckpointIndex, load_block
-from libs.engine import Engine, SamplingParams
+from libs.engine import Engine, SamplingSpec
 from services.worker.loading import _BlockFutures
 from services.worker.runtime import EngineRuntime
 
@@ -18,7 +18,7 @@ def test_a_request_waiting_for_a_block_does_not_delay_another_instances_tokens(t
     arriving = _BlockFutures(list(blocks))
     arriving.set(0, blocks[0])  # the last block is still on its way
     loading = Engine(index, arriving, max_batch_size=2, max_seq_len=64)
-    greedy = SamplingParams(temperature=0, max_tokens=TOKENS)
+    greedy = SamplingSpec(temperature=0, max_tokens=TOKENS)
     late_s = 2.0
 
     async def run() -> dict[str, list[float]]:
@@ -62,7 +62,7 @@ def _run_two(tiny_checkpoint, schedule: str) -> tuple[list[str], list | None]:
     The order their tokens come in, and the steps the runtime timed."""
     index = CheckpointIndex.load(tiny_checkpoint)
     blocks = {b.id: load_block(tiny_checkpoint, index, b.id) for b in index.blocks}
-    greedy = SamplingParams(temperature=0, max_tokens=TOKENS)
+    greedy = SamplingSpec(temperature=0, max_tokens=TOKENS)
 
     async def run() -> tuple[list[str], list | None]:
         order: list[str] = []
