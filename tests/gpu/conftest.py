@@ -35,10 +35,8 @@ def cuda_missing_reason() -> str | None:
 def pytest_collection_modifyitems(config, items):
     reason = cuda_missing_reason()
     for item in items:
-        if HERE not in Path(str(item.path)).parents:
-            continue
-        assert item.get_closest_marker("gpu"), f"{item.nodeid}: every test under tests/gpu is marked gpu"
-        if reason:
+        # test_gpu_check.py's tests are not marked gpu: they check the check itself, in CI.
+        if reason and HERE in Path(str(item.path)).parents and item.get_closest_marker("gpu"):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
