@@ -67,3 +67,20 @@ def test_two_layer_ranges_give_the_whole_models_tokens(block_dir, device, genera
     assert all(st.model.device.type == device.type for st in split.stages)
     got, _ = engine_tokens(split, PROMPTS, 16)
     assert got == whole == generated
+
+
+def test_a_profile_measured_on_the_device_waits_for_every_timed_step(block_dir, device, monkeypatch):
+    """LLM-Mesh profiling (libs/engine/profiling.py): on CUDA each timed step synchronizes the
+    device, or the times would be kernel launches, not the kernels."""
+    from libs.engine.profiling import measure_profile
+
+    synced: list[torch.device] = []
+    if device.type == "cuda":
+        real = torch.cuda.synchronize
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: synced.append(torch.device(d)) or real(d))
+    profile = measure_profile(lambda b, s: Engine.from_checkpoint(block_dir, device=device, max_batch_size=b,
+                                                                  max_seq_len=s), max_len=16, max_batch=4, repeats=2)
+    timed_steps = 2 * len(profile.prefill_lengths) + 2 * len(profile.batches) * len(profile.lengths)
+    assert len(synced) == (timed_steps if device.type == "cuda" else 0)
+    assert all(d.type == "cuda" for d in synced)
+    assert all(t > 0 for t in profile.prefill_s) and all(t > 0 for row in profile.decode_s for t in row)
