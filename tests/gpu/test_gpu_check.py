@@ -75,7 +75,7 @@ def dry_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gpu-check-dry")
     wheels = _wheels_dir(tmp_path_factory)
     env = {**os.environ, "PYTHON": sys.executable, "GPU_WHEELS": str(wheels),
-           "GPU_SITE": str(Path(".layercast") / f"gpu-site-test-{os.getpid()}")}
+           "GPU_SITE": str(tmp_path_factory.mktemp("gpu-site"))}
     env.pop("LAYERCAST_GPU_DEVICE", None)
     done = subprocess.run([str(REPO / "scripts" / "gpu-check"), "--dry", str(out)], capture_output=True, text=True,
                           env=env, timeout=600, cwd=REPO)
