@@ -89,6 +89,7 @@ def dry_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the dry run is its fixture: ~1-2 min, 5 on a crowded 2-core machine
 def test_the_dry_check_runs_every_step_and_writes_json_that_parses(dry_run):
     summary = json.loads((dry_run / "summary.json").read_text())
     assert summary["ok"] and summary["dry"] and summary["device"] == "cpu"
@@ -105,6 +106,7 @@ def test_the_dry_check_runs_every_step_and_writes_json_that_parses(dry_run):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_the_wheels_cover_what_the_check_imported(dry_run):
     modules = set()
     for f in (dry_run / "imports").glob("*.txt"):
