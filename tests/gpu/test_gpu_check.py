@@ -93,7 +93,7 @@ def dry_run(tmp_path_factory) -> Path:
 def test_the_dry_check_runs_every_step_and_writes_json_that_parses(dry_run):
     summary = json.loads((dry_run / "summary.json").read_text())
     assert summary["ok"] and summary["dry"] and summary["device"] == "cpu"
-    assert list(summary["steps"]) == ["install", "pytest", "model", "bench_load", "bench_engine"]
+    assert list(summary["steps"]) == ["install", "pytest", "model", "bench_engine", "bench_load"]
     load = json.loads((dry_run / "bench_load.json").read_text())
     assert load["device"] == "cpu" and load["same_first_token"]
     assert load["ratios"]["layercast_cold_vs_raw"] > 0 and load["ratios"]["from_pretrained_vs_layercast_ready"] > 0
