@@ -12,7 +12,7 @@ import torch
 
 from libs.engine import Engine, SamplingParams
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "unit" / "engine"))
+sys.path.append(str(Path(__file__).parents[1] / "unit" / "engine"))
 from test_engine_kv_resize import REQUESTS, SEQ, _run  # noqa: E402  (the CPU tests' scenario, reused)
 
 pytestmark = pytest.mark.gpu

@@ -22,7 +22,7 @@ from libs.protocol import messages as m
 from libs.protocol import subjects
 from services.worker.service import WorkerConfig, WorkerService, memory_capacity
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
+sys.path.append(str(Path(__file__).parents[1] / "integration"))
 from test_registry import client, collect, started  # noqa: E402,F401  (client: a fixture)
 
 pytestmark = pytest.mark.gpu
