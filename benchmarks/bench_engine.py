@@ -54,16 +54,18 @@ def _prefill_rate(engine, n: int) -> float:
     return n * PROMPT_LEN / (time.perf_counter() - t0)
 
 
-def _hf_rate(hf_dir: Path, vocab: int, n: int, new_tokens: int) -> float:
+def _hf_rate(hf_dir: Path, vocab: int, n: int, new_tokens: int, device: str = "cpu") -> float:
+    """generate() on the engine's device (on CUDA, timed up to the last token's arrival)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).to(device).eval()
     prompts = _prompts(n, vocab, seed=2)
     with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=False)  # warm-up
+        model.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=2, do_sample=False)  # warm-up
         produced, t0 = 0, time.perf_counter()
         for p in prompts:
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            ids = torch.tensor([p], device=device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids),
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
             produced += out.shape[1] - len(p)
     return produced / (time.perf_counter() - t0)
@@ -85,7 +87,7 @@ def run_engine_benchmark(path: Path, hf_dir: Path, new_tokens: int = 32, device:
     _decode_rate(local, 2, 4)  # warm-up: kernels, allocator
     decode = {str(b): round(max(_decode_rate(local, b, new_tokens) for _ in range(repeat)), 1) for b in BATCHES}
     prefill = round(max(_prefill_rate(local, 4) for _ in range(repeat)), 1)
-    hf = round(max(_hf_rate(hf_dir, local.vocab_size, 4, new_tokens) for _ in range(repeat)), 1)
+    hf = round(max(_hf_rate(hf_dir, local.vocab_size, 4, new_tokens, device) for _ in range(repeat)), 1)
     slowdown = {}
     for n_stages in (2, 4):
         if index.n_blocks < n_stages:

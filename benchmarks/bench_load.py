@@ -98,18 +98,21 @@ def _first_token_from_blocks(ckpt: Path, loader: BlockLoader) -> int:
     return out.token_id
 
 
-def _first_logits_from_pretrained(hf: Path, dtype: torch.dtype) -> torch.Tensor:
+def _first_logits_from_pretrained(hf: Path, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    """from_pretrained onto the loader's device (on CUDA: device_map, weights straight to the GPU)."""
     from transformers import AutoModelForCausalLM
 
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=dtype, attn_implementation="sdpa").eval()
+    placement = {} if torch.device(device).type == "cpu" else {"device_map": device}
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=dtype, attn_implementation="sdpa", **placement).eval()
     with torch.inference_mode():
-        return model(torch.tensor([PROMPT_IDS]), logits_to_keep=1).logits[0, -1].float()
+        return model(torch.tensor([PROMPT_IDS], device=device), logits_to_keep=1).logits[0, -1].float().cpu()
 
 
-def _first_logits_from_safetensors(hf: Path, weights: list[Path], dtype: torch.dtype) -> torch.Tensor:
+def _first_logits_from_safetensors(hf: Path, weights: list[Path], dtype: torch.dtype,
+                                   device: str = "cpu") -> torch.Tensor:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -118,17 +121,17 @@ def _first_logits_from_safetensors(hf: Path, weights: list[Path], dtype: torch.d
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     state: dict[str, torch.Tensor] = {}
     for w in weights:
-        state.update(load_file(w))
+        state.update(load_file(w, device=str(device)))
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     # Non-persistent rotary frequencies are not in the file: build them for real.
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config).to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:
         raise RuntimeError(f"safetensors baseline left tensors on the meta device: {left[:3]}")
     with torch.inference_mode():
-        return model.eval()(torch.tensor([PROMPT_IDS]), logits_to_keep=1).logits[0, -1].float()
+        return model.eval()(torch.tensor([PROMPT_IDS], device=device), logits_to_keep=1).logits[0, -1].float().cpu()
 
 
 def _timed(fn, *args):
@@ -185,8 +188,8 @@ def run_load_benchmark(ckpt: Path, hf: Path, repeat: int = 3, chunk_bytes: int =
         # One untimed pass of each ready path: lazy imports and one-time initialisation are the
         # process's start-up, not a load, and are excluded for all three alike.
         _first_token_from_blocks(ckpt, loader)
-        _first_logits_from_pretrained(hf, dtype)
-        _first_logits_from_safetensors(hf, weights, dtype)
+        _first_logits_from_pretrained(hf, dtype, device)
+        _first_logits_from_safetensors(hf, weights, dtype, device)
 
         trials = _Trials()
         logits: dict[str, torch.Tensor] = {}
@@ -241,11 +244,11 @@ def run_load_benchmark(ckpt: Path, hf: Path, repeat: int = 3, chunk_bytes: int =
             trials.add("layercast_ready_s", seconds)
             for w in weights:
                 drop_page_cache(w)
-            seconds, logits["from_pretrained"] = _timed(_first_logits_from_pretrained, hf, dtype)
+            seconds, logits["from_pretrained"] = _timed(_first_logits_from_pretrained, hf, dtype, device)
             trials.add("from_pretrained_ready_s", seconds)
             for w in weights:
                 drop_page_cache(w)
-            seconds, logits["safetensors"] = _timed(_first_logits_from_safetensors, hf, weights, dtype)
+            seconds, logits["safetensors"] = _timed(_first_logits_from_safetensors, hf, weights, dtype, device)
             trials.add("safetensors_ready_s", seconds)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -49,6 +49,10 @@ PRESETS: dict[str, dict] = {
     # ~440 MB in bf16: big enough for load benchmarks to measure the disk, not Python.
     "200m": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
                  intermediate_size=2816, vocab_size=16384, dtype="bfloat16"),
+    # TinyLlama-1.1B's shape, ~2.2 GB in bf16: a load benchmark on a GPU machine measures the PCIe
+    # path with it, not a cache (scripts/gpu-check).
+    "1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+               intermediate_size=5632, vocab_size=32000, dtype="bfloat16"),
 }
 
 # Small built-in English corpus for training the tokenizer (no downloads).

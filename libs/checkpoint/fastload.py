@@ -18,6 +18,10 @@ Where the bytes land depends on the target:
 `staged=True` forces the chunk-pool path on any device (it is how the copy
 logic is tested without a GPU).
 
+With `LoaderConfig(timeline=True)` the job records when each chunk was read and when its copy
+ran (`LoadJob.timeline`; CUDA copies timed by events on their stream), which is how the
+overlap of copies with the next reads is checked (tests/gpu); off, it costs nothing.
+
 Blocks are announced (callback, `wait`, iteration) in the order they were
 requested, each only once all its bytes are on the target and its checksum has
 been verified: a block that fails the checksum is never announced, and the job
@@ -145,6 +149,7 @@ class LoaderConfig:
     staged: bool = False  # force the recycled chunk pool (the no-host-copy GPU path) on any device
     post_threads: int = DEFAULT_POST_THREADS  # checksum + device copy, off the readers' path
     pool_chunks: int = 0  # chunk pool size; 0: threads + 2
+    timeline: bool = False  # record each chunk's read and copy spans (LoadJob.timeline)
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < IO_ALIGN or self.chunk_bytes % IO_ALIGN:
@@ -161,6 +166,18 @@ class _Chunk:
     seq: int  # position of the chunk inside its block
     offset_in_block: int
     nbytes: int
+    position: int = 0  # position of the chunk in the job (read order when there is one reader)
+
+
+@dataclass(frozen=True)
+class TimelineSpan:
+    """One chunk's read or copy, in seconds from the job's start (LoaderConfig.timeline)."""
+
+    kind: str  # "read" (disk -> host) or "copy" (host -> target buffer; on CUDA, as the GPU ran it)
+    chunk: int  # the chunk's position in the job
+    block_id: int
+    start_s: float
+    end_s: float
 
 
 @dataclass
@@ -232,7 +249,8 @@ class LoadJob:
             starts = range(0, n, config.chunk_bytes)
             self._pending[b] = len(starts)
             for seq, start in enumerate(starts):
-                self._chunks.append(_Chunk(b, seq, start, min(config.chunk_bytes, n - start)))
+                self._chunks.append(_Chunk(b, seq, start, min(config.chunk_bytes, n - start), len(self._chunks)))
+        self.timeline: list[TimelineSpan] | None = [] if config.timeline else None
         self._crcs: dict[int, dict[int, tuple[int, int]]] = {b: {} for b in self.order}
         self._complete: set[int] = set()
         self._position = {b: i for i, b in enumerate(self.order)}  # wait() runs per layer while loading
@@ -334,7 +352,10 @@ class LoadJob:
                     staging = None
                     target = self.host[chunk.block_id][chunk.offset_in_block : chunk.offset_in_block + span]
                 try:
+                    read_start = time.perf_counter()
                     self._read_chunk(file, chunk, target)
+                    if self.timeline is not None:
+                        self._record("read", chunk, read_start, time.perf_counter())
                 except BaseException:
                     if staging is not None:
                         self._pool.give(staging)
@@ -369,18 +390,35 @@ class LoadJob:
             self.stats.direct = False
             read_exactly(file.fd, view, offset, chunk.nbytes, what, **pieces)
 
+    def _record(self, kind: str, chunk: _Chunk, start: float, end: float) -> None:
+        """Append one span (perf_counter times) to the timeline; list.append is atomic."""
+        origin = self.stats.started
+        self.timeline.append(TimelineSpan(kind, chunk.position, chunk.block_id, start - origin, end - origin))
+
     def _post(self) -> None:
         """Checksums read chunks and moves them to the device buffers (on CUDA asynchronously,
         on this thread's own stream); a chunk counts as done once its bytes are in place."""
         cuda = self.device.type == "cuda"
         stream = torch.cuda.Stream(device=self.device) if cuda else None
         in_flight: deque = deque()  # (event, chunk, crc, staging) whose copy may still be running
+        timed = self.timeline is not None and cuda and self._copy_needed
+        copy_started: dict[int, object] = {}  # chunk position -> its copy's start event (timeline only)
+        if timed:
+            # GPU times are read as event intervals from a reference event whose host time is known.
+            reference = torch.cuda.Event(enable_timing=True)
+            reference.record(stream)
+            reference.synchronize()
+            reference_host = time.perf_counter()
 
         def retire(block: bool) -> None:
             while in_flight and (block or in_flight[0][0] is None or in_flight[0][0].query()):
                 event, chunk, crc, staging = in_flight.popleft()
                 if event is not None:
                     event.synchronize()
+                    if timed:
+                        start = copy_started.pop(chunk.position)
+                        self._record("copy", chunk, reference_host + reference.elapsed_time(start) / 1e3,
+                                     reference_host + reference.elapsed_time(event) / 1e3)
                 if staging is not None:
                     self._pool.give(staging)
                 self._chunk_done(chunk, crc)
@@ -406,11 +444,17 @@ class LoadJob:
                     dst = self.buffers[chunk.block_id][chunk.offset_in_block : chunk.offset_in_block + chunk.nbytes]
                     if cuda:
                         with torch.cuda.stream(stream):
+                            if timed:
+                                copy_started[chunk.position] = torch.cuda.Event(enable_timing=True)
+                                copy_started[chunk.position].record(stream)
                             dst.copy_(src, non_blocking=True)
-                            event = torch.cuda.Event()
+                            event = torch.cuda.Event(enable_timing=timed)
                             event.record(stream)
                     else:
+                        copy_start = time.perf_counter()
                         dst.copy_(src)
+                        if self.timeline is not None:
+                            self._record("copy", chunk, copy_start, time.perf_counter())
                 in_flight.append((event, chunk, crc, staging))
                 retire(block=False)
         except BaseException as e:  # noqa: BLE001

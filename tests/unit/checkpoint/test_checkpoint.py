@@ -88,7 +88,8 @@ def test_preset_sizes(preset):
     config = demo_config(preset, "llama")
     with torch.device("meta"):
         n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    expected = {"tiny": (50e3, 1e6), "small": (5e6, 20e6), "small-40k": (25e6, 30e6), "100m": (80e6, 120e6), "200m": (180e6, 260e6)}[preset]
+    expected = {"tiny": (50e3, 1e6), "small": (5e6, 20e6), "small-40k": (25e6, 30e6), "100m": (80e6, 120e6), "200m": (180e6, 260e6),
+                "1b": (1.0e9, 1.2e9)}[preset]
     assert expected[0] <= n_params <= expected[1]
     assert config.max_position_embeddings >= 2048
 
