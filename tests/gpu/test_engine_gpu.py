@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest_models import N_BLOCKS, reference_model
 
-from libs.engine import Engine, SamplingParams
+from libs.engine import Engine, SamplingSpec
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +23,7 @@ def engine_tokens(engine: Engine, prompts: list[list[int]], at_once: int) -> tup
     widest = 0
     for start in range(0, len(prompts), at_once):
         for i in range(start, min(start + at_once, len(prompts))):
-            engine.add_request(str(i), prompts[i], SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+            engine.add_request(str(i), prompts[i], SamplingSpec(temperature=0, max_tokens=NEW_TOKENS))
         while engine.has_work():
             for o in engine.step():
                 out.setdefault(int(o.request_id), []).append(o.token_id)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from libs.engine import Engine, SamplingParams
+from libs.engine import Engine, SamplingSpec
 
 sys.path.append(str(Path(__file__).parents[1] / "unit" / "engine"))
 from test_engine_kv_resize import REQUESTS, SEQ, _run  # noqa: E402  (the CPU tests' scenario, reused)
@@ -40,7 +40,7 @@ def test_slots_are_allocated_released_and_hold_their_requests_kv(block_dir, devi
     assert kv.keys[0].device.type == device.type and kv.free_slots == 4
     prompts = {rid: [t + 50 * i for t in PROMPT[:6]] for i, rid in enumerate("abc")}  # same length, one prefill pass
     for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=3))
+        engine.add_request(rid, prompt, SamplingSpec(temperature=0, max_tokens=3))
     engine.step()  # prefill: each request takes a slot holding its prompt's KV
     slots = {rid: stage._slot[rid] for rid in "abc"}
     assert len(set(slots.values())) == 3 and kv.free_slots == 1
@@ -58,14 +58,14 @@ def test_slots_are_allocated_released_and_hold_their_requests_kv(block_dir, devi
 
 def test_choices_fork_the_prefill_kv_and_greedy_choices_equal_n1(block_dir, device):
     alone = _engine(block_dir, device)
-    alone.add_request("x", PROMPT, SamplingParams(temperature=0, max_tokens=8))
+    alone.add_request("x", PROMPT, SamplingSpec(temperature=0, max_tokens=8))
     want = _drain(alone)[("x", 0)]
     engine = _engine(block_dir, device)
     stage = engine.stages[0]
     forks: list[tuple[int, int, int]] = []
     copy = stage.kv.copy
     stage.kv.copy = lambda src, dst, length: forks.append((src, dst, length)) or copy(src, dst, length)
-    engine.add_request("r", PROMPT, SamplingParams(temperature=0, max_tokens=8, n=4))
+    engine.add_request("r", PROMPT, SamplingSpec(temperature=0, max_tokens=8, n=4))
     got: dict[int, list[int]] = {}
     for o in engine.step():  # the prefill, and every choice's first token
         got.setdefault(o.choice, []).append(o.token_id)

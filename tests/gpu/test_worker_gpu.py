@@ -20,6 +20,7 @@ from libs.checkpoint import CheckpointIndex, convert_checkpoint, create_demo_che
 from libs.engine import kv_slot_bytes_of
 from libs.protocol import messages as m
 from libs.protocol import subjects
+from services.gateway.workers import NatsWorkerClient
 from services.worker.service import WorkerConfig, WorkerService, memory_capacity
 
 sys.path.append(str(Path(__file__).parents[1] / "integration"))
@@ -71,12 +72,14 @@ async def _load(client, worker_id: str, instance_id: str, model: str, path: Path
 
 async def _generate(client, worker_id: str, instance_id: str, model: str, prompt: list[int],  # noqa: F811
                     tokens: int) -> list[int]:
-    """Greedy tokens of one request sent straight to the worker; a "busy" answer is asked again."""
+    """Greedy tokens of one request sent straight to the worker through the gateway's
+    `NatsWorkerClient`; a "busy" answer is asked again, as the gateway does."""
+    workers = NatsWorkerClient(client, gateway_id="gpu-test")
     request_id = f"g-{uuid.uuid4().hex[:8]}"
-    reply = f"{subjects.PREFIX}.test.tokens.{request_id}"
+    reply = workers.reply_subject(request_id)
     events: list[m.TokenEvent] = []
     done = asyncio.Event()
-    sub = client.subscriber(reply)
+    sub = client.subscriber(reply)  # this request's tokens only (`listen` takes every request's, before start)
 
     @sub
     async def on_token(body: dict) -> None:
@@ -91,7 +94,7 @@ async def _generate(client, worker_id: str, instance_id: str, model: str, prompt
                                 reply_subject=reply, sampling=m.SamplingSpec(temperature=0, max_tokens=tokens))
         for _ in range(3000):
             try:
-                await call(client, subjects.worker_generate(worker_id), req, m.GenerateAccepted)
+                await workers.generate(worker_id, req, timeout_s=10.0)
                 break
             except RemoteError as e:
                 if e.code != "busy":
@@ -136,7 +139,7 @@ async def test_two_models_take_a_burst_within_the_memory_cap(tmp_path, device, n
                  for k in range(BURST) for name in two_models]
         outs = await asyncio.gather(*burst)
         assert len(outs) == 2 * BURST and all(len(o) > 0 for o in outs)  # every request served
-        held_peak = worker.mesh.held_peak
+        held_peak = worker.sharing.node.held_peak  # mesh: the engines' memory as charged
         if cuda:
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) - baseline
