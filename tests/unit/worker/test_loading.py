@@ -279,3 +279,20 @@ async def test_an_unload_of_a_serving_instance_waits_for_its_running_request_s_e
         nothing_left(w, "i-busy", 4)
     finally:
         w.close()
+
+
+async def test_an_unload_of_a_serving_instance_with_no_request_running_detaches_at_once(four_blocks):
+    """No request to wait for: the drain ends at once, whatever its deadline."""
+    w = Worker()
+    try:
+        await w.loading.on_load(load_model(four_blocks, "i-idle", 4))
+        await w.until(lambda: "i-idle" in w.instances and w.instances["i-idle"].info.loaded_at)
+        await w.settle()
+        assert w.loading.admit("i-idle", "r-1") is None
+        w.loading.request_ended("i-idle", "r-1")  # ended before the unload: nothing runs
+        assert (await w.unload("i-idle", drain_timeout_s=600.0)) == lifecycle.Answer(True, "draining")
+        await w.until(lambda: m.InstanceState.stopped in w.events.states("i-idle"), timeout_s=10.0)
+        await w.settle()
+        nothing_left(w, "i-idle", 4)
+    finally:
+        w.close()
