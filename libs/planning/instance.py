@@ -2,9 +2,10 @@
 
 ``step(lifecycle, event) -> (lifecycle, effects)``: the worker feeds what it observes about
 one instance (a LoadModel, a block in host memory or in engine memory, a disk read started
-or done, the engine built, the load's end, an unload, a drain's end, a pipeline stage lost)
-and carries out the effects it gets back (pin a block, read blocks from disk, cancel a read,
-attach the engine, report the instance loaded or stopped, release its pins, ...). No I/O.
+or done, the engine built, the load's end, an unload, a drain's deadline, a pipeline stage
+lost, a request admitted or ended) and carries out the effects it gets back (pin a block, read
+blocks from disk, cancel a read, attach the engine, report the instance loaded or stopped,
+release its pins, answer a request's admission, ...). No I/O.
 
 Phases (``Phase``)::
 
@@ -15,6 +16,13 @@ Phases (``Phase``)::
        └──PipelineStarted(stage)──▶ stage ──UnloadAsked──▶ stopped
     serving / serving_while_loading ──UnloadAsked / StagePeerLost──▶ draining ──Drained──▶ stopped / failed
     loading / serving_while_loading / serving ──LoadFailed──▶ failed
+
+Requests: the lifecycle keeps the ids of the requests running on it. ``RequestAdmitted`` is
+accepted only while it serves (serving, serving_while_loading, a pipeline's entry), refused
+in every other phase (``Refuse(code="unavailable")``); ``RequestEnded`` removes one. A drain
+ends as soon as its last request ends (``RequestEnded`` then has the ``Drained`` transition's
+effects), or at its deadline (the worker feeds ``Drained``); a drain with no request running
+ends at once (the worker feeds ``Drained`` without waiting).
 
 The races the worker used to handle case by case are transitions here: an unload while the
 load is still reading (its reads are cancelled at once, a read that starts afterwards is
@@ -35,7 +43,8 @@ __all__ = [
     "DiskNeeded", "DiskReadDone", "DiskReadStarted", "Drain", "Drained", "Effect", "EndLoad", "EngineBuilt",
     "Event", "EvictFromEngine", "Lifecycle", "LoadAsked", "LoadFailed", "LoadFinished", "Phase", "Pin",
     "PipelineStarted", "ReadFromDisk", "ReannounceLoaded", "Refuse", "ReleasePins", "ReportLoaded",
-    "ReportStopped", "StagePeerLost", "StartLoad", "StopHosting", "UnloadAsked", "step",
+    "ReportStopped", "RequestAdmitted", "RequestEnded", "StagePeerLost", "StartLoad", "StopHosting",
+    "UnloadAsked", "step",
 ]
 
 
@@ -59,6 +68,8 @@ ENDED = frozenset({Phase.stopped, Phase.failed})
 NOT_HERE = "not here"  # Answer.detail of an unload of an instance this worker does not have
 UNLOADED_WHILE_LOADING = "unloaded by planner while loading"
 LOAD_ENDED_EARLY = "the load ended before every block was in engine memory"
+NOT_SERVING = "not serving"  # Refuse.detail of a request for an instance that takes none
+ADMITTED = "admitted"  # Answer.detail of a request admitted
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,7 @@ class Lifecycle:
     reason: str = ""  # why it stops
     switched_to: tuple[str, ...] = ()
     keep_alive_s: float | None = None  # its host blocks' keep-alive after the stop (None: kept)
+    requests: frozenset[str] = frozenset()  # requests admitted and not ended (a drain waits for them)
 
     @property
     def serving(self) -> bool:
@@ -174,7 +186,8 @@ class UnloadAsked:
 
 @dataclass(frozen=True)
 class Drained:
-    """The drain ended: its requests finished, or its timeout passed."""
+    """The drain's deadline passed, or it had no request to wait for (a drain whose last request
+    ended is over at that RequestEnded already)."""
 
 
 @dataclass(frozen=True)
@@ -184,8 +197,25 @@ class StagePeerLost:
     error: str
 
 
+@dataclass(frozen=True)
+class RequestAdmitted:
+    """A generate request for the instance, admitted by the worker's sharing strategy: it runs
+    on the instance if the instance serves (answered), else it is refused."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class RequestEnded:
+    """A request of the instance ended, whichever way (finished, failed, cancelled, preempted,
+    handed over to another instance, its engine detached)."""
+
+    request_id: str
+
+
 Event = (LoadAsked | PipelineStarted | BlockInHost | DiskNeeded | DiskReadStarted | DiskReadDone | BlockInEngine
-         | EngineBuilt | LoadFinished | LoadFailed | UnloadAsked | Drained | StagePeerLost)
+         | EngineBuilt | LoadFinished | LoadFailed | UnloadAsked | Drained | StagePeerLost | RequestAdmitted
+         | RequestEnded)
 
 
 # --- effects: what the worker must do ---------------------------------------------------------------
@@ -261,8 +291,9 @@ class EndLoad:
 
 @dataclass(frozen=True)
 class Drain:
-    """Take no new requests; feed Drained once the running ones ended or `timeout_s` passed.
-    `abort_stages`: a pipeline whose stage may be gone never waits on it."""
+    """Take no new requests; the drain ends when the last running request ends (RequestEnded
+    has the teardown's effects), or the worker feeds Drained once `timeout_s` passed (at once
+    when no request runs). `abort_stages`: a pipeline whose stage may be gone never waits on it."""
 
     timeout_s: float
     abort_stages: bool
@@ -438,6 +469,21 @@ def _drained(s: Lifecycle, ev: Drained) -> tuple[Lifecycle, list[Effect]]:
     return _teardown(s)
 
 
+def _request_admitted(s: Lifecycle, ev: RequestAdmitted) -> tuple[Lifecycle, list[Effect]]:
+    if not s.serving:  # loading, draining, cancelling, a stage, ended, not here: takes none
+        return s, [Refuse(NOT_SERVING, code="unavailable")]
+    return replace(s, requests=s.requests | {ev.request_id}), [Answer(True, ADMITTED)]
+
+
+def _request_ended(s: Lifecycle, ev: RequestEnded) -> tuple[Lifecycle, list[Effect]]:
+    if ev.request_id not in s.requests:
+        return s, []  # never admitted here, or already gone (its engine detached)
+    s = replace(s, requests=s.requests - {ev.request_id})
+    if s.phase is Phase.draining and not s.requests:
+        return _teardown(s)  # the last one: the drain is over, without waiting for its deadline
+    return s, []
+
+
 def _stage_peer_lost(s: Lifecycle, ev: StagePeerLost) -> tuple[Lifecycle, list[Effect]]:
     if s.kind != "pipeline" or s.phase not in SERVING:
         return s, []  # a local engine's failure is its requests' (they got the error)
@@ -457,8 +503,9 @@ def _teardown(s: Lifecycle) -> tuple[Lifecycle, list[Effect]]:
         effects.append(ReleasePins(tuple(sorted(s.pins)), s.keep_alive_s))
     ended = Phase.failed if s.ends_as is Phase.failed else Phase.stopped
     effects.append(ReportStopped(ended is Phase.failed, s.reason, s.switched_to))
+    # Detach ends the requests still running (with an error): none runs on it any more.
     return replace(s, phase=ended, disk_jobs=frozenset(), attached=False, in_engine=frozenset(),
-                   pins=frozenset()), effects
+                   pins=frozenset(), requests=frozenset()), effects
 
 
 _HANDLERS = {
@@ -466,4 +513,5 @@ _HANDLERS = {
     DiskNeeded: _disk_needed, DiskReadStarted: _disk_read_started, DiskReadDone: _disk_read_done,
     BlockInEngine: _block_in_engine, EngineBuilt: _engine_built, LoadFinished: _load_finished,
     LoadFailed: _load_failed, UnloadAsked: _unload_asked, Drained: _drained, StagePeerLost: _stage_peer_lost,
+    RequestAdmitted: _request_admitted, RequestEnded: _request_ended,
 }

@@ -3,8 +3,10 @@
 
 An instance's lifecycle is decided by libs/planning/instance.py (pure): this module feeds it
 what it observes (a LoadModel, a block in the host tier or in engine memory, a disk read
-started or done, the engine built, an unload, a drain's end) and carries out the effects it
-returns (pin, read from disk, cancel a read, attach, report loaded or stopped, release pins).
+started or done, the engine built, an unload, a drain's deadline; the worker's generate path
+feeds its requests' admissions and ends) and carries out the effects it returns (pin, read
+from disk, cancel a read, attach, report loaded or stopped, release pins). A drain waits on
+the lifecycle: it ends when the lifecycle says the last request ended, or at its deadline.
 Where each block comes from is chosen by libs/planning/block_sources.py (pure); the load task
 here carries the choice out: waits for blocks a transfer brings, builds the engine over the
 arriving blocks. It reaches the rest of the worker only through what it is constructed with:
@@ -118,6 +120,18 @@ class _BlockFutures:
             raise TimeoutError(f"block {block_id} not ready after {timeout} s") from None
 
 
+@dataclass
+class _DrainWait:
+    """A drain under way: set `over` with the teardown's effects once the last request ended."""
+
+    over: asyncio.Event = field(default_factory=asyncio.Event)
+    teardown: list[lifecycle.Effect] = field(default_factory=list)
+
+    def end(self, effects: list[lifecycle.Effect]) -> None:
+        self.teardown = effects
+        self.over.set()
+
+
 async def _next_ready(remaining: list[int], plan, incoming: dict[int, asyncio.Future]) -> int:
     """The next block of a load to take: one the host tier holds, else one a transfer has
     brought, else the next disk read (the loader reads in order), else the first to arrive."""
@@ -183,6 +197,7 @@ class InstanceLoading:
         # instance -> (model, block -> its engine-memory buffer): what this worker's loads have
         # made ready so far, which execution-pipeline stages run on (views: no copy)
         self.in_engine: dict[str, tuple[str, dict[int, torch.Tensor]]] = {}
+        self._drains: dict[str, _DrainWait] = {}  # instance -> its drain under way
 
     # --- the lifecycle ------------------------------------------------------------------------------
     def step(self, instance_id: str, event: lifecycle.Event) -> list[lifecycle.Effect]:
@@ -191,7 +206,9 @@ class InstanceLoading:
         before = self.lifecycles.get(instance_id) or Lifecycle(instance_id)
         after, effects = lifecycle.step(before, event)
         if before.serving and not after.serving and (inst := self.instances.get(instance_id)) is not None:
-            inst.draining = True  # refused by generate from this step on, not from when its drain runs
+            inst.draining = True  # the mesh takes no new request for it from this step on
+        if any(isinstance(e, lifecycle.Drain) for e in effects):
+            self._drains[instance_id] = _DrainWait()  # from this step on, not from when its drain runs
         if after.phase is lifecycle.Phase.absent or after.forgettable:
             self.lifecycles.pop(instance_id, None)
         else:
@@ -209,6 +226,30 @@ class InstanceLoading:
         effects = self.step(instance_id, event)
         await self.run(instance_id, effects)
         return effects
+
+    def serving(self, instance_id: str) -> bool:
+        """The instance takes requests (its lifecycle says so)."""
+        lc = self.lifecycles.get(instance_id)
+        return lc is not None and lc.serving
+
+    def admit(self, instance_id: str, request_id: str) -> lifecycle.Refuse | None:
+        """A request admitted by the sharing strategy joins the instance's lifecycle: None, or
+        its refusal (the instance does not serve)."""
+        effects = self.step(instance_id, lifecycle.RequestAdmitted(request_id))
+        return next((e for e in effects if isinstance(e, lifecycle.Refuse)), None)
+
+    def request_ended(self, instance_id: str, request_id: str) -> None:
+        """A request of the instance ended (any way: finished, failed, cancelled, preempted,
+        handed over, its engine gone). The last one of a draining instance ends its drain: the
+        drain, woken, carries out the teardown. Synchronous: no await between the end and the step."""
+        effects = self.step(instance_id, lifecycle.RequestEnded(request_id))
+        if not effects:
+            return
+        wait = self._drains.get(instance_id)
+        if wait is not None:
+            wait.end(effects)
+        else:  # (no drain without a Drain effect; kept safe all the same)
+            self.spawn(self.run(instance_id, effects))
 
     def loads_running(self) -> set[str]:
         return {iid for iid, lc in self.lifecycles.items() if lc.load_running}
@@ -340,18 +381,29 @@ class InstanceLoading:
         self.sharing.loaded(inst)
 
     async def _drain(self, iid: str, drain: lifecycle.Drain) -> None:
+        """Wait for the lifecycle to say the drain is over (its last request ended: `request_ended`
+        wakes it with the teardown's effects), or for its deadline (then it feeds Drained); no
+        request running: at once. No polling."""
         inst = self.instances.get(iid)
         if inst is not None:
-            inst.draining = True  # the generate handler and the mesh take no new request for it
-        deadline = time.monotonic() + drain.timeout_s
-        while self.runtime.running(iid) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+            inst.draining = True  # the mesh takes no new request for it
+        wait = self._drains.get(iid) or _DrainWait()
+        lc = self.lifecycles.get(iid)
+        if (drain.timeout_s > 0 and not wait.over.is_set() and lc is not None
+                and lc.phase is lifecycle.Phase.draining and lc.requests):
+            try:
+                await asyncio.wait_for(wait.over.wait(), drain.timeout_s)
+            except TimeoutError:
+                pass
+        # No await from here to the teardown's step: a request ending now finds no drain to wake.
+        self._drains.pop(iid, None)
         if drain.abort_stages:
             # A stage may be gone (why it stops): never wait on it. A mode switch lets the step
             # in flight finish instead (the detach waits for it; a stage gone meanwhile fails it
             # at its timeout).
             self.runtime.abort_remote_stages(iid, drain.reason)
-        await self.feed(iid, lifecycle.Drained())
+        effects = wait.teardown if wait.over.is_set() else self.step(iid, lifecycle.Drained())
+        await self.run(iid, effects)
 
     async def _detach(self, iid: str) -> None:
         inst = self.instances.get(iid)

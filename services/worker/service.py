@@ -488,10 +488,11 @@ class WorkerService(Service):
             req.streamed = True
             with trace.use_span(req.span if traced else unsampled(req.span)):
                 await publish(self.broker, req.reply_subject, ev)
-            if done:
+            if done:  # finished, failed (an engine error, its engine detached, refused by the engine)
                 req.span.set_attribute("layercast.completion_tokens", req.sent)
                 req.span.end()
                 del self.requests[request_id]
+                self.loading.request_ended(instance_id, request_id)  # a drain may end with it
                 self.spawn(self.sharing.request_ended(instance_id))  # mesh: KV shrinks lazily, by the watermark
 
     def _preempt(self, instance_id: str, by: str) -> None:
@@ -503,6 +504,7 @@ class WorkerService(Service):
             if req.instance_id != instance_id or not req.next_index or not req.submitted:
                 continue  # (one not submitted yet waits for its KV: it goes on as admitted)
             del self.requests[request_id]
+            self.loading.request_ended(instance_id, request_id)
             self.runtime.cancel(instance_id, request_id)
             choice = min(req.next_index)
             ev = m.TokenEvent(request_id=request_id, index=req.next_index[choice], finished=True,
@@ -514,6 +516,12 @@ class WorkerService(Service):
             self.spawn(publish(self.broker, req.reply_subject, ev))
         log.info("instance %s preempted by %s", instance_id, by)
         self.spawn(self.sharing.request_ended(instance_id))  # its KV shrinks lazily, as when requests end
+
+    def _deregister(self, request_id: str, registered: _Request) -> None:
+        """A registered request that never reached its engine leaves (if still this run of it)."""
+        if self.requests.get(request_id) is registered:
+            del self.requests[request_id]
+            self.loading.request_ended(registered.instance_id, request_id)
 
     def _require_checkpoint(self, path: str) -> None:
         if not os.path.isdir(path):
@@ -584,7 +592,7 @@ class WorkerService(Service):
         @rpc(m.GenerateRequest)
         async def generate(req: m.GenerateRequest) -> m.GenerateAccepted:
             inst = self.instances.get(req.instance_id)
-            if inst is None or inst.draining:
+            if inst is None or not self.loading.serving(req.instance_id):  # its lifecycle says whether it serves
                 raise DomainError(f"instance {req.instance_id} is not serving on {wid}", code="unavailable")
             s = req.sampling  # the engine takes it as it is (validated with the request)
             try:
@@ -609,6 +617,9 @@ class WorkerService(Service):
             admission = self.sharing.admit(inst, req, choices, time.monotonic())
             if not admission.ok:
                 raise self._busy(f"{wid} cannot take it within its SLOs now ({admission.why})")
+            # Its instance's lifecycle takes it, or refuses it (it stopped serving during an await above).
+            if (refusal := self.loading.admit(req.instance_id, req.request_id)) is not None:
+                raise DomainError(f"instance {req.instance_id} is not serving on {wid}", code=refusal.code)
             for victim in admission.preempt:
                 self._preempt(victim, by=req.instance_id)
             admitted = admission.admitted
@@ -619,15 +630,22 @@ class WorkerService(Service):
                 span.set_attribute("layercast.resumed_tokens", len(req.generated_ids))
             if (old := self.requests.get(req.request_id)) is not None:
                 old.span.end()  # handed over from another instance here: that run is over
+                if old.instance_id != req.instance_id:  # (on the same one: it was admitted again above)
+                    self.loading.request_ended(old.instance_id, req.request_id)
             registered = _Request(req.instance_id, req.model, inst.info.mode, req.reply_subject, span,
                                   next_index={c: len(ids) for c, ids in choices.items()}, admitted=admitted,
                                   attempt=req.attempt)
             self.requests[req.request_id] = registered
-            if not await self.sharing.fit_kv(inst):
+            try:
+                fitted = await self.sharing.fit_kv(inst)
+            except BaseException:
+                self._deregister(req.request_id, registered)
+                span.end()
+                raise
+            if not fitted:
                 # Validated and registered, but its KV cannot be granted now (§6.4): busy, as a
                 # refusal by validation, so the gateway tries elsewhere or waits.
-                if self.requests.get(req.request_id) is registered:
-                    del self.requests[req.request_id]
+                self._deregister(req.request_id, registered)
                 span.set_attribute("layercast.kv_refused", True)
                 span.end()
                 raise self._busy(f"{wid} has no memory for the KV of another request on {req.instance_id} now")
@@ -666,6 +684,7 @@ class WorkerService(Service):
                 return
             req = self.requests.pop(ev.request_id, None)
             if req is not None:
+                self.loading.request_ended(req.instance_id, ev.request_id)
                 self.runtime.cancel(req.instance_id, ev.request_id)
                 req.span.set_attribute("layercast.cancelled", True)
                 req.span.end()

@@ -12,6 +12,7 @@ from libs.checkpoint import loader as loader_module
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.bus.broker import call
+from services.gateway.workers import NatsWorkerClient
 from services.worker.service import WorkerConfig, WorkerService
 from test_registry import client, collect, started  # noqa: F401 - the client fixture
 
@@ -215,10 +216,12 @@ async def test_a_mode_switch_lets_the_pipelines_step_in_flight_deliver_its_token
         slow = _SlowStage(stage.pipelines.server.stages["i-pipe/1"], seconds=1.5)
         stage.pipelines.server.add("i-pipe/1", slow)
 
+        # Sent as the gateway sends it (its worker client), tokens to the gateway's reply subject.
+        gateway = NatsWorkerClient(client, gateway_id="gw-switch")
         request = m.GenerateRequest(request_id="r-switch", instance_id="i-pipe", model="demo", prompt_ids=[1, 2, 3],
                                     sampling=m.SamplingSpec(temperature=0, max_tokens=8),
-                                    reply_subject=subjects.tokens("gw-switch", "r-switch"))
-        await call(client, subjects.worker_generate("w-entry"), request, m.GenerateAccepted)
+                                    reply_subject=gateway.reply_subject("r-switch"))
+        await gateway.generate("w-entry", request, timeout_s=5.0)
         await until(lambda: slow.calls >= 1, 10)  # the prefill's step is in the slow stage now
         assert slow.calls == 1 and tokens == []
         unload = m.UnloadModel(instance_id="i-pipe", drain_timeout_s=0.0, switched_to=["i-w-entry", "i-w-stage"])

@@ -6,8 +6,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from libs.planning.instance import (
+    ADMITTED,
     LOAD_ENDED_EARLY,
     NOT_HERE,
+    NOT_SERVING,
     UNLOADED_WHILE_LOADING,
     Answer,
     AnnounceBlock,
@@ -37,6 +39,8 @@ from libs.planning.instance import (
     ReleasePins,
     ReportLoaded,
     ReportStopped,
+    RequestAdmitted,
+    RequestEnded,
     StagePeerLost,
     StartLoad,
     StopHosting,
@@ -267,6 +271,93 @@ def test_a_hosted_stage_stops_hosting_without_a_report():
     assert effects == [StopHosting(), Answer(True, "stage stopped")] and s.forgettable
 
 
+# --- requests ------------------------------------------------------------------------------------
+
+
+def serving(serve_early: bool = True) -> Lifecycle:
+    s, _ = run(loading(serve_early), *(BlockInEngine(b) for b in BLOCKS), EngineBuilt())
+    assert s.phase is Phase.serving
+    return s
+
+
+def test_a_request_is_admitted_while_the_instance_serves_and_leaves_when_it_ends():
+    s, effects = step(serving(), RequestAdmitted("r1"))
+    assert effects == [Answer(True, ADMITTED)] and s.requests == {"r1"}
+    s, effects = step(s, RequestAdmitted("r2"))
+    assert effects == [Answer(True, ADMITTED)] and s.requests == {"r1", "r2"}
+    s, effects = step(s, RequestEnded("r1"))
+    assert effects == [] and s.requests == {"r2"} and s.phase is Phase.serving
+    # One not running here (never admitted, or already ended) changes nothing.
+    assert step(s, RequestEnded("r1")) == (s, []) and step(s, RequestEnded("other")) == (s, [])
+
+
+def test_a_request_is_admitted_while_serving_early_and_by_a_pipelines_entry():
+    s, _ = run(loading(), BlockInEngine(0), EngineBuilt())
+    assert s.phase is Phase.serving_while_loading
+    s, effects = step(s, RequestAdmitted("r"))
+    assert effects == [Answer(True, ADMITTED)] and s.requests == {"r"}
+    s, _ = step(Lifecycle("p"), PipelineStarted(entry=True))
+    s, effects = step(s, RequestAdmitted("r"))
+    assert effects == [Answer(True, ADMITTED)] and s.requests == {"r"}
+
+
+def test_a_request_is_refused_by_an_instance_that_does_not_serve():
+    refused = [Refuse(NOT_SERVING, code="unavailable")]
+    not_serving = {
+        "absent": Lifecycle("i"),
+        "loading": loading(),
+        "cancelling": run(loading(), UnloadAsked())[0],
+        "draining": run(serving(), RequestAdmitted("r0"), UnloadAsked())[0],
+        "stopped": run(loading(), BlockInEngine(0), EngineBuilt(), UnloadAsked(), Drained())[0],
+        "failed": run(loading(), BlockInEngine(0), EngineBuilt(), LoadFailed("boom"))[0],
+        "stage": step(Lifecycle("p"), PipelineStarted(entry=False))[0],
+    }
+    for phase, s in not_serving.items():
+        assert s.phase.value == phase
+        s2, effects = step(s, RequestAdmitted("r"))
+        assert effects == refused and "r" not in s2.requests, phase
+        assert s2 == s, phase
+
+
+def test_a_drain_ends_when_its_last_request_ends_with_the_drained_effects():
+    s, _ = run(loading(), BlockInHost(0), *(BlockInEngine(b) for b in BLOCKS), EngineBuilt(),
+               RequestAdmitted("r1"), RequestAdmitted("r2"))
+    s, effects = step(s, UnloadAsked(switched_to=("p",), drain_timeout_s=30.0, keep_alive_s=5.0))
+    assert effects == [Drain(30.0, False, "unloaded by planner"), Answer(True, "draining")]
+    assert s.phase is Phase.draining and s.requests == {"r1", "r2"}
+    s, effects = step(s, RequestEnded("r1"))
+    assert effects == [] and s.phase is Phase.draining  # one still runs
+    _, by_deadline = step(s, Drained())
+    s, effects = step(s, RequestEnded("r2"))
+    assert effects == by_deadline == [Detach(), EvictFromEngine(BLOCKS), ReleasePins((0,), 5.0),
+                                      ReportStopped(False, "unloaded by planner", ("p",))]
+    assert s.phase is Phase.stopped and not s.requests
+    # Its deadline passing afterwards (the worker's timer) does nothing more.
+    assert step(s, Drained()) == (s, [])
+
+
+def test_a_drain_s_deadline_ends_it_with_requests_running_and_forgets_them():
+    s, _ = run(serving(), RequestAdmitted("r1"), UnloadAsked(drain_timeout_s=1.0))
+    s, effects = step(s, Drained())
+    assert of(effects, Detach) == [Detach()] and of(effects, ReportStopped)
+    assert s.phase is Phase.stopped and not s.requests  # the detach ended them
+    # Their end, reported afterwards, reports nothing again.
+    assert step(s, RequestEnded("r1")) == (s, [])
+
+
+def test_a_failed_load_of_an_instance_serving_early_ends_its_requests():
+    s, _ = run(loading(), BlockInEngine(0), EngineBuilt(), RequestAdmitted("r"))
+    s, effects = step(s, LoadFailed("checksum mismatch"))
+    assert of(effects, Detach) == [Detach()] and s.phase is Phase.failed and not s.requests
+
+
+def test_a_pipeline_that_lost_a_stage_drains_its_requests_and_fails_at_the_last():
+    s, _ = run(Lifecycle("p"), PipelineStarted(entry=True), RequestAdmitted("r"), StagePeerLost("timed out"))
+    assert s.phase is Phase.draining and s.requests == {"r"}
+    s, effects = step(s, RequestEnded("r"))
+    assert effects == [Detach(), ReportStopped(True, "a stage failed: timed out")] and s.phase is Phase.failed
+
+
 # --- every order of events ---------------------------------------------------------------------------
 
 
@@ -289,6 +380,7 @@ class InstanceLifecycle(RuleBasedStateMachine):
         self.attaches = 0
         self.stop_reports = 0
         self.unloaded = False  # an unload was accepted in this life
+        self.running: set[str] = set()  # requests admitted and not ended (the worker's table)
 
     def feed(self, ev):
         self.s, effects = step(self.s, ev)
@@ -296,6 +388,12 @@ class InstanceLifecycle(RuleBasedStateMachine):
             match e:
                 case Answer(accepted=True) if isinstance(ev, UnloadAsked):
                     self.unloaded = True
+                case Answer(accepted=True) if isinstance(ev, RequestAdmitted):
+                    assert not self.unloaded, "a request admitted once the instance was unloaded"
+                    assert not self.stop_reports, "a request admitted once its stop was reported"
+                    self.running.add(ev.request_id)
+                case Refuse() if isinstance(ev, RequestAdmitted):
+                    assert not self.s.serving, "a serving instance refused a request"
                 case Pin(block=b):
                     assert b not in self.pinned, f"block {b} pinned twice"
                     self.pinned.add(b)
@@ -315,6 +413,13 @@ class InstanceLifecycle(RuleBasedStateMachine):
                     assert self.s.in_engine >= self.s.blocks, "loaded before every block was in"
                 case ReportStopped():
                     self.stop_reports += 1
+                case Detach():
+                    self.running.clear()  # its requests end with an error
+        if isinstance(ev, RequestEnded):
+            self.running.discard(ev.request_id)
+        if of(effects, Drain) and self.s.phase is Phase.draining and not self.s.requests:
+            # The worker's drain: no request to wait for, so it ends at once.
+            effects += self.feed(Drained())
         if self.s.forgettable:  # the shell forgets it: the next of this id is a new life
             self.s = Lifecycle("i")
             self.new_life()
@@ -389,6 +494,24 @@ class InstanceLifecycle(RuleBasedStateMachine):
     @rule()
     def stage_peer_lost(self):
         self.feed(StagePeerLost("gone"))
+
+    @rule(request=st.sampled_from(["r1", "r2", "r3"]))
+    def request_admitted(self, request):
+        self.feed(RequestAdmitted(request))
+
+    @rule(request=st.sampled_from(["r1", "r2", "r3"]))
+    def request_ended(self, request):
+        self.feed(RequestEnded(request))
+
+    @invariant()
+    def requests_are_the_ones_admitted_and_not_ended(self):
+        assert self.s.requests == self.running
+        if not (self.s.serving or self.s.phase is Phase.draining):
+            assert not self.s.requests, f"requests {set(self.s.requests)} outlive the instance"
+
+    @invariant()
+    def a_drain_with_no_running_request_ends_at_once(self):
+        assert not (self.s.phase is Phase.draining and not self.s.requests)
 
     @invariant()
     def never_serving_once_unloaded(self):

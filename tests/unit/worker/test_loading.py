@@ -234,3 +234,65 @@ async def test_an_unload_racing_a_load_that_serves_early_drains_it_and_stops_it_
         assert not any((MODEL, b) in w.cache for b in range(landed))
     finally:
         w.close()
+
+
+async def test_an_unload_of_a_serving_instance_waits_for_its_running_request_s_end_then_detaches(four_blocks):
+    """The drain waits on the lifecycle, not on the engine thread's count: the request's end
+    (RequestEnded, as the worker feeds it when the request leaves its table) ends the drain at
+    once, long before its deadline; nothing polls meanwhile."""
+    w = Worker()
+    order: list[str] = []
+    detach, running = w.runtime.detach, w.runtime.running
+
+    async def recorded_detach(instance_id):
+        order.append(f"detach {instance_id}")
+        await detach(instance_id)
+
+    def recorded_running(instance_id=None):
+        order.append("polled")
+        return running(instance_id)
+
+    w.runtime.detach, w.runtime.running = recorded_detach, recorded_running
+    try:
+        await w.loading.on_load(load_model(four_blocks, "i-busy", 4))
+        await w.until(lambda: "i-busy" in w.instances and w.instances["i-busy"].info.loaded_at)
+        await w.settle()
+        assert w.loading.admit("i-busy", "r-1") is None  # the generate handler's RequestAdmitted
+        answer = await w.unload("i-busy", drain_timeout_s=600.0)
+        assert answer == lifecycle.Answer(True, "draining")
+        assert not w.loading.serving("i-busy")
+        refused = w.loading.admit("i-busy", "r-2")  # draining: no new request
+        assert refused == lifecycle.Refuse(lifecycle.NOT_SERVING, code="unavailable")
+        for _ in range(20):  # the drain runs and waits: the request still runs
+            await asyncio.sleep(0.01)
+        assert w.loading.lifecycles["i-busy"].phase is lifecycle.Phase.draining
+        assert "i-busy" in w.instances and m.InstanceState.stopped not in w.events.states("i-busy")
+        assert order == []  # neither detached nor polled the engine thread
+        order.append("request ended")
+        w.loading.request_ended("i-busy", "r-1")  # as the worker does when its last token went out
+        # Within the until's 30 s, far inside the drain's 600 s deadline.
+        await w.until(lambda: m.InstanceState.stopped in w.events.states("i-busy"))
+        order.append("stopped reported")
+        await w.settle()
+        assert order == ["request ended", "detach i-busy", "stopped reported"]
+        assert w.events.reasons("i-busy")[-1] == "unloaded by planner"
+        nothing_left(w, "i-busy", 4)
+    finally:
+        w.close()
+
+
+async def test_an_unload_of_a_serving_instance_with_no_request_running_detaches_at_once(four_blocks):
+    """No request to wait for: the drain ends at once, whatever its deadline."""
+    w = Worker()
+    try:
+        await w.loading.on_load(load_model(four_blocks, "i-idle", 4))
+        await w.until(lambda: "i-idle" in w.instances and w.instances["i-idle"].info.loaded_at)
+        await w.settle()
+        assert w.loading.admit("i-idle", "r-1") is None
+        w.loading.request_ended("i-idle", "r-1")  # ended before the unload: nothing runs
+        assert (await w.unload("i-idle", drain_timeout_s=600.0)) == lifecycle.Answer(True, "draining")
+        await w.until(lambda: m.InstanceState.stopped in w.events.states("i-idle"), timeout_s=10.0)
+        await w.settle()
+        nothing_left(w, "i-idle", 4)
+    finally:
+        w.close()
