@@ -54,3 +54,14 @@ def reference_model(hf_dir: Path):
     for p in model.parameters():
         p.data = p.data.clone()
     return model
+
+
+def two_tiny_llamas(root: Path) -> dict[str, Path]:
+    """Two different tiny Llama models ("alpha", "beta") in 2 blocks each: two models sharing
+    one worker (mesh memory tests, on the CPU and on a GPU)."""
+    out = {}
+    for name, seed in (("alpha", 0), ("beta", 1)):
+        hf = create_demo_checkpoint(root / name / "hf", preset="tiny", arch="llama", seed=seed)
+        convert_checkpoint(hf, root / name / "blocks", 2)
+        out[name] = root / name / "blocks"
+    return out

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from libs.bus.broker import RemoteError, call
-from libs.checkpoint import CheckpointIndex, convert_checkpoint, create_demo_checkpoint
+from libs.checkpoint import CheckpointIndex
 from libs.engine import kv_slot_bytes_of
 from libs.protocol import messages as m
 from libs.protocol import subjects
@@ -25,6 +25,7 @@ from services.worker.service import WorkerConfig, WorkerService, memory_capacity
 
 sys.path.append(str(Path(__file__).parents[1] / "integration"))
 from test_registry import client, collect, started  # noqa: E402,F401  (client: a fixture)
+from conftest_models import two_tiny_llamas  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -47,13 +48,7 @@ def test_the_worker_reports_the_devices_free_memory(device):
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("gpu-mesh-models")
-    out = {}
-    for name, seed in (("alpha", 0), ("beta", 1)):
-        hf = create_demo_checkpoint(root / name / "hf", preset="tiny", arch="llama", seed=seed)
-        convert_checkpoint(hf, root / name / "blocks", 2)
-        out[name] = root / name / "blocks"
-    return out
+    return two_tiny_llamas(tmp_path_factory.mktemp("gpu-mesh-models"))
 
 
 async def _load(client, worker_id: str, instance_id: str, model: str, path: Path, seen: list) -> None:  # noqa: F811

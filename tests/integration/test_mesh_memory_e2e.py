@@ -16,11 +16,12 @@ import openai
 import pytest
 
 from libs.admin import deploy_model
-from libs.checkpoint import CheckpointIndex, convert_checkpoint, create_demo_checkpoint
+from libs.checkpoint import CheckpointIndex
 from libs.cluster.launcher import ClusterSpec, free_port, start_cluster, stop_processes
 from libs.engine import kv_slot_bytes_of
 from libs.protocol import subjects
 from conftest import fresh_database, wait_for
+from conftest_models import two_tiny_llamas
 
 pytestmark = pytest.mark.slow
 
@@ -31,13 +32,7 @@ BURST, PROMPT, TOKENS = 12, 20, 24  # per model, at once
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("mesh-memory-models")
-    out = {}
-    for name, seed in (("alpha", 0), ("beta", 1)):
-        hf = create_demo_checkpoint(root / name / "hf", preset="tiny", arch="llama", seed=seed)
-        convert_checkpoint(hf, root / name / "blocks", 2)
-        out[name] = root / name / "blocks"
-    return out
+    return two_tiny_llamas(tmp_path_factory.mktemp("mesh-memory-models"))
 
 
 def _metrics(state) -> dict[str, float]:
