@@ -68,7 +68,10 @@ def main() -> None:
                    default=int(env("LAYERCAST_MEMORY_CAPACITY_BYTES", "0")),
                    help="with --sharing mesh: the bytes this worker's engines may hold (weights and KV "
                         "caches); model loads and KV growth that would pass it wait or are refused. "
-                        "0: the memory available at start")
+                        "0: the memory available at start (on CUDA, less --device-working-gb)")
+    p.add_argument("--device-working-gb", type=float, default=float(env("LAYERCAST_DEVICE_WORKING_GB", "1")),
+                   help="with --sharing mesh on CUDA: device memory the default capacity leaves for the forward "
+                        "pass (activations, cuBLAS workspaces), which the mesh does not charge")
     p.add_argument("--kv-watermark", type=float, default=float(env("LAYERCAST_KV_WATERMARK", "0.2")),
                    help="with --sharing mesh: a KV cache grows to its need x (1 + w) and shrinks only "
                         "once that is below its size / (1 + w)")
@@ -93,6 +96,7 @@ def main() -> None:
         sharing=a.sharing, shadow_validation=a.shadow_validation, preemption=a.preemption,
         profile_max_len=a.profile_max_len,
         profile_refresh_s=a.profile_refresh_s, memory_capacity_bytes=a.memory_capacity_bytes,
+        device_working_bytes=int(a.device_working_gb * (1 << 30)),
         kv_watermark=a.kv_watermark, kv_min_slots=a.kv_min_slots,
     )
     run(lambda: WorkerService(config), a.health_host, a.health_port)

@@ -125,6 +125,10 @@ class WorkerConfig:
     # on, bench mesh at 32 models on 4 capped workers refused twice as many requests as busy,
     # scaled out to 3x the instance-seconds and let requests time out (KV fixed: none).
     memory_capacity_bytes: int = 0
+    # On CUDA, what the default capacity leaves free: the forward pass's working memory (activations,
+    # cuBLAS workspaces: 32 MiB per engine thread on Hopper), which the mesh does not charge. The GPU
+    # check found a capped burst peaking 32 MiB over its cap (docs/gpu/2026-11-26-h100).
+    device_working_bytes: int = 1 << 30
     kv_watermark: float = 0.2
     kv_min_slots: int = 0
 
@@ -168,12 +172,12 @@ class BusEvents:
 
 def memory_capacity(c: WorkerConfig) -> int:
     """The bytes this worker's engines may hold (sharing=mesh): as configured, else the memory
-    free at start (the device's, for a CUDA worker)."""
+    free at start (the device's, less its working memory, for a CUDA worker)."""
     if c.memory_capacity_bytes > 0:
         return c.memory_capacity_bytes
     device = torch.device(c.device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return max(0, torch.cuda.mem_get_info(device)[0] - c.device_working_bytes)
     return psutil.virtual_memory().available
 
 

@@ -1,12 +1,14 @@
 """The worker on the target device, in this process against real NATS and a registry (SQLite):
 its memory report (torch.cuda.mem_get_info on CUDA), the mesh memory orchestration under a cap
-while two models take a burst (on CUDA: torch.cuda.max_memory_allocated never passes the cap),
+while two models take a burst (on CUDA: torch.cuda.max_memory_allocated never passes the cap plus the engine
+thread's cuBLAS workspace),
 and a CPU worker beside a device worker serving the same model with equal greedy tokens
 (LLM-Mesh's heterogeneous case)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import sys
 import uuid
 from pathlib import Path
@@ -40,7 +42,8 @@ def test_the_worker_reports_the_devices_free_memory(device):
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         assert 0 < reported <= total
-        assert abs(reported - free) <= 64 << 20, (reported, free)  # the same figure, give or take an allocation
+        # the same figure less the working memory left for the forward pass, give or take an allocation
+        assert abs(reported - (free - config.device_working_bytes)) <= 64 << 20, (reported, free)
     else:
         assert abs(reported - psutil.virtual_memory().available) <= 0.1 * psutil.virtual_memory().total
     assert memory_capacity(WorkerConfig(worker_id="w-cap", device=str(device), memory_capacity_bytes=123)) == 123
@@ -104,6 +107,23 @@ async def _generate(client, worker_id: str, instance_id: str, model: str, prompt
     return [ev.token_id for ev in sorted(events, key=lambda e: e.index) if ev.token_id is not None]
 
 
+def _cublas_workspace_bytes(device: torch.device) -> int:
+    """What a thread's first matrix product allocates beside its result: cuBLAS's workspace (torch
+    keeps one per handle and stream; 32 MiB on Hopper). The engine thread's is device working
+    memory the mesh does not charge (WorkerConfig.device_working_bytes leaves room for it)."""
+    def probe() -> int:
+        a = torch.ones(64, 64, device=device)
+        with torch.cuda.stream(torch.cuda.Stream(device)):  # a new stream: a workspace of its own
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            b = a @ a
+            torch.cuda.synchronize(device)
+            return torch.cuda.memory_allocated(device) - before - b.nbytes
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(probe).result()
+
+
 def _prompt(k: int) -> list[int]:
     return [(7 + 13 * i + 101 * k) % 500 + 5 for i in range(PROMPT_LEN)]
 
@@ -144,8 +164,11 @@ async def test_two_models_take_a_burst_within_the_memory_cap(tmp_path, device, n
         await reg.stop()
     assert 0 < held_peak <= cap, f"the engines held {held_peak} bytes at once, over the cap of {cap}"
     assert held_peak > weights  # the KV did grow with the burst
-    if cuda:
-        assert peak <= cap, f"torch.cuda.max_memory_allocated() rose {peak} bytes, over the cap of {cap}"
+    if cuda:  # the device's own count: what the mesh charged, plus the engine thread's cuBLAS workspace
+        workspace = _cublas_workspace_bytes(device)
+        print(f"cap {cap}, charged peak {held_peak}, device peak {peak}, cuBLAS workspace {workspace} (bytes)")
+        assert peak <= cap + workspace, (f"torch.cuda.max_memory_allocated() rose {peak} bytes, over the cap of "
+                                         f"{cap} plus a cuBLAS workspace of {workspace}")
 
 
 async def test_a_cpu_worker_and_a_device_worker_serve_the_same_model_with_equal_tokens(

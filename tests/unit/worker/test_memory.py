@@ -114,3 +114,18 @@ async def test_a_cancelled_wait_gives_its_budget_back_and_releases_forget():
     assert mem.sizes == {} and mem.state.budget == mem.state.tracked == 0
     # an engine-thread call returns a future: awaited like a coroutine
     assert await mem.change("c", 5, lambda: asyncio.get_running_loop().run_in_executor(None, lambda: 7)) == 7
+
+
+def test_a_cuda_workers_default_capacity_leaves_the_forward_pass_its_working_memory(monkeypatch):
+    # No GPU here: torch.cuda.mem_get_info stands in for the device (the GPU check runs the real one,
+    # tests/gpu/test_worker_gpu.py). The GPU run found cuBLAS's 32 MiB workspace charged to nobody.
+    import torch
+
+    from services.worker.service import WorkerConfig, memory_capacity
+
+    free = 80 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 81 << 30))
+    assert memory_capacity(WorkerConfig(worker_id="w", device="cuda")) == free - (1 << 30)
+    assert memory_capacity(WorkerConfig(worker_id="w", device="cuda", device_working_bytes=0)) == free
+    assert memory_capacity(WorkerConfig(worker_id="w", device="cuda", device_working_bytes=2 * free)) == 0
+    assert memory_capacity(WorkerConfig(worker_id="w", device="cuda", memory_capacity_bytes=5)) == 5
