@@ -39,7 +39,8 @@ from libs.planning.multicast import (
 from libs.cluster.launcher import healthy
 from libs.cluster.emulation import EmulatedCluster
 
-ALGORITHMS = tuple(MULTICAST_ALGORITHMS)  # the default: every registered algorithm
+# The default: every registered algorithm; chain-blind is chain itself without a topology to be blind to.
+ALGORITHMS = tuple(a for a in MULTICAST_ALGORITHMS if a != "chain-blind")
 DATA_PORT = 7700
 HEALTH_PORT = 7701
 

@@ -33,7 +33,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Gpu", "ChainHop", "plan_chain_hops", "plan_chains", "chain_ids"]
+__all__ = ["Gpu", "ChainHop", "plan_chain_hops", "plan_chains", "chain_ids", "usable_sources",
+           "plan_multicast_chains", "chains_over_nodes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,3 +189,123 @@ def plan_chains(sources: Sequence[Gpu], targets: Sequence[Gpu], n: int) -> list[
 def chain_ids(chains: Sequence[Sequence[Gpu]]) -> list[list[int]]:
     """GPU ids of each chain, ready for :func:`libs.planning.multicast.chain_schedule`."""
     return [[g.id for g in chain] for chain in chains]
+
+
+# ---------------------------------------------------------------------------
+# Chains the executors carry out: one MulticastPlan (libs.planning.multicast)
+# ---------------------------------------------------------------------------
+#
+# plan_chain_hops follows Fig. 11 literally, and a hop there may take several
+# sources to cover one group's bandwidth (Fig. 14).  The data plane runs a
+# MulticastPlan under the single-port model instead: a node receives each block
+# once, from one sender.  plan_multicast_chains keeps Fig. 11's decisions that
+# fit that model (prune busy sources, a scale-up group is one logical node,
+# chains stay on their leaf, a group that must keep its egress quiet sits at a
+# chain's tail) and uses every local source for chains of its own leaf.
+
+
+def usable_sources(sources: Sequence[Gpu]) -> list[Gpu]:
+    """Fig. 11 line 1: sources whose egress is quiet; all of them when none is (scaling with
+    interference beats not scaling)."""
+    return [g for g in sources if not g.busy_egress] or list(sources)
+
+
+def _units(targets: Sequence[Gpu]) -> list[list[Gpu]]:
+    """Target scale-up groups (one logical node each), fastest first (Fig. 11 line 2); a group
+    with a busy member goes last, and that member last in it: it forwards only as a last resort.
+    A group never spans leaves (NVLink does not), so its key includes the leaf."""
+    groups = _group_by(targets, lambda g: ("group", g.leaf, g.scaleup_group) if g.scaleup_group is not None
+                       else ("gpu", g.id))
+    groups = [sorted(grp, key=lambda g: g.busy_egress) for grp in groups]  # stable
+    return sorted(groups, key=lambda grp: (any(g.busy_egress for g in grp), -_bw(grp)))
+
+
+def _topology_chains(sources: Sequence[Gpu], targets: Sequence[Gpu]) -> list[list[Gpu]]:
+    units = _units(targets)
+    units_by_leaf: dict[Hashable, list[list[Gpu]]] = {}
+    for unit in units:
+        units_by_leaf.setdefault(unit[0].leaf, []).append(unit)
+    sources_by_leaf: dict[Hashable, list[Gpu]] = {}
+    for g in usable_sources(sources):
+        sources_by_leaf.setdefault(g.leaf, []).append(g)
+
+    chains: list[list[Gpu]] = []
+    crossed: list[bool] = []  # the chain already left its head's leaf (crossed the spine)
+    used: set[int] = set()
+    orphans: list[Hashable] = []  # leaves with targets and no usable source
+    for leaf, leaf_units in units_by_leaf.items():  # leaves in the order of their fastest group
+        local = sources_by_leaf.get(leaf, [])
+        if not local:
+            orphans.append(leaf)
+            continue
+        # One chain per local source (as many as there are groups), groups dealt to the
+        # chain with the fewest GPUs so far: chains of a leaf never leave it (lines 6-7).
+        mine = list(range(len(chains), len(chains) + min(len(local), len(leaf_units))))
+        for head in local[: len(mine)]:
+            chains.append([head])
+            crossed.append(False)
+            used.add(head.id)
+        for unit in leaf_units:
+            chains[min(mine, key=lambda i: len(chains[i]))].extend(unit)
+    spare = [g for leaf_sources in sources_by_leaf.values() for g in leaf_sources if g.id not in used]
+    for leaf in orphans:
+        leaf_units = units_by_leaf[leaf]
+        gpus = [g for unit in leaf_units for g in unit]
+        if spare:  # a source left over on another leaf: its chain crosses the spine once
+            chains.append([spare.pop(0), *gpus])
+            crossed.append(True)
+            continue
+        # No source left: the whole leaf hangs off the shortest chain that has not crossed yet
+        # (one spine crossing for the leaf), else off the shortest chain.
+        local_chains = [i for i in range(len(chains)) if not crossed[i]] or list(range(len(chains)))
+        i = min(local_chains, key=lambda i: len(chains[i]))
+        chains[i].extend(gpus)
+        crossed[i] = True
+    return chains
+
+
+def _blind_chains(sources: Sequence[Gpu], targets: Sequence[Gpu]) -> list[list[Gpu]]:
+    # The same sources, targets in id order cut into contiguous runs whose sizes differ by at
+    # most one (kway_subgroups' split): what a planner that ignores leaves and groups does.
+    heads = usable_sources(sources)[: len(targets)]
+    ordered = sorted(targets, key=lambda g: g.id)
+    base, rem = divmod(len(ordered), len(heads))
+    chains, nxt = [], 0
+    for i, head in enumerate(heads):
+        size = base + (1 if i < rem else 0)
+        chains.append([head, *ordered[nxt: nxt + size]])
+        nxt += size
+    return chains
+
+
+def plan_multicast_chains(sources: Sequence[Gpu], targets: Sequence[Gpu], *,
+                          topology_aware: bool = True) -> list[list[Gpu]]:
+    """Chains ``[source, t1, t2, …]`` that together reach every target once.
+
+    Topology-aware: busy sources pruned while a quiet one exists; each leaf with sources gets
+    one chain per local source (up to its number of scale-up groups) over its own groups, so
+    those chains never cross the spine; a leaf without a source is fed by a source left over
+    elsewhere, else appended to a chain that has not crossed yet (one crossing).  A scale-up
+    group's GPUs sit next to each other in one chain: the chain enters at one member, the
+    others are fed inside the group, its last member forwards.
+
+    ``topology_aware=False`` (the ``chain-blind`` baseline): the same sources, targets in id
+    order split evenly among them, leaves and groups ignored.
+    """
+    if not sources:
+        raise ValueError("plan_multicast_chains needs at least one source")
+    ids = [g.id for g in sources] + [g.id for g in targets]
+    if len(set(ids)) != len(ids):
+        raise ValueError("GPU ids must be unique across sources and targets")
+    if not targets:
+        return []
+    return _topology_chains(sources, targets) if topology_aware else _blind_chains(sources, targets)
+
+
+def chains_over_nodes(nodes: Sequence[Gpu], k: int, *, topology_aware: bool = True) -> list[list[int]]:
+    """Chains of node indices for a plan over ``nodes`` whose first ``k`` hold the model
+    (``nodes[i].id == i``, as a multicast benchmark numbers its nodes); a pruned source sends
+    nothing.  Feed to :func:`libs.planning.multicast.chain_schedule`."""
+    if any(g.id != i for i, g in enumerate(nodes)):
+        raise ValueError("nodes[i].id must be i")
+    return chain_ids(plan_multicast_chains(nodes[:k], nodes[k:], topology_aware=topology_aware))

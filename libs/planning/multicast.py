@@ -805,6 +805,10 @@ MULTICAST_ALGORITHMS: dict[str, MulticastAlgorithm] = {a.name: a for a in (
     MulticastAlgorithm("binary-tree", _from_one_source(binary_tree_schedule)),
     MulticastAlgorithm("chain", kway_chain_schedule, multi_source=True, cost=CHUNK_RELAY,
                        candidates=(ChoiceCandidate("chain", every_source=True, prefer=2),)),
+    # Chains that ignore the topology (targets in worker-id order): the baseline the
+    # topology-aware chains (libs.planning.chain, scaling mode `chain`) are measured against.
+    # Without a topology both schedules are this one; the planner builds them from the view.
+    MulticastAlgorithm("chain-blind", kway_chain_schedule, multi_source=True, cost=CHUNK_RELAY),
     MulticastAlgorithm("binomial", kway_schedule, multi_source=True, pipeline_groups=kway_pipeline_groups,
                        candidates=(ChoiceCandidate("binomial", every_source=False, prefer=0),
                                    ChoiceCandidate("kway", every_source=True, prefer=1))),

@@ -8,7 +8,11 @@ run in the same system as layercast (:data:`MODES`):
   whose schedule lets them runs (binomial, k-way), its receivers serve as execution
   pipelines (libs.planning.pipelines) and switch to local instances once they hold the
   whole model;
-- ``chain`` (BlitzScale): one chain per source over its share of the targets;
+- ``chain`` (BlitzScale §5.1, Fig. 11): chains planned on the cluster's topology
+  (:func:`chain_multicast`): busy sources pruned, one chain per source within its leaf, a
+  scale-up group as one node;
+- ``chain-blind``: chains from the same sources over the targets in worker-id order, blind
+  to leaves and groups (the baseline for ``chain``);
 - ``binomial`` (λScale's multicast, serving only on complete copies: the baseline for
   pipelines): k-way binomial pipeline, k = the number of sources;
 - ``faasnet``: a binary tree from one source;
@@ -27,20 +31,26 @@ schedule, cost model and properties) under the one name plans and records carry.
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from libs.planning.chain import Gpu, plan_multicast_chains
 
 # The registry's names are re-exported: callers plan through this module.
 from libs.planning.multicast import (
     MULTICAST_ALGORITHMS,
     MulticastAlgorithm,
     MulticastPlan,
+    arrival_steps,
     build_plan,
+    chain_schedule,
     multicast_algorithm,
     plan_bound_s,
+    schedule_steps,
 )
-from libs.planning.multicast_choice import choose_multicast
+from libs.planning.multicast_choice import DEFAULT_CHUNK_BYTES, choose_multicast
 from libs.planning.pipelines import plan_pipelines
 from libs.planning.placement import Candidate, Held, LiveInstance, full_copies, pick_targets, pick_victims
 from libs.protocol import messages as m
@@ -48,6 +58,9 @@ from libs.protocol import messages as m
 # The `serverlessllm` baseline's host cache keeps a stopped model's blocks this long (λScale §2.3
 # measured 15 s on multi-tenant hosts; BlitzScale assumes 5 min): the planner's --serverlessllm-keep-alive.
 SERVERLESSLLM_KEEP_ALIVE_S = 15.0
+# What a block step of the data plane costs beyond its bytes (the receiver's grant, framing):
+# `bench multicast` measured binomial at 1.008x its bound over 18 steps of 0.34 s (README), ≈3 ms.
+STEP_OVERHEAD_S = 0.003
 LIVE = (m.InstanceState.loading, m.InstanceState.ready)  # instances a scale decision counts
 
 
@@ -78,16 +91,37 @@ def _every_source(algorithm: str) -> MulticastChoiceFn:
 def _earliest_capacity(n_sources: int, n_targets: int, model_bytes: int, n_blocks: int,
                        link_gbps: float) -> tuple[str, int]:
     # λScale's live objective: the earliest serving capacity (a pipeline or a first copy).
-    choice = choose_multicast(n_sources, n_targets, model_bytes, n_blocks, link_gbps, live=True)
+    choice = choose_multicast(n_sources, n_targets, model_bytes, n_blocks, link_gbps, live=True,
+                              step_overhead_s=STEP_OVERHEAD_S)
     return multicast_algorithm(choice.algorithm).name, choice.k
+
+
+def _schedule_prediction(plan: MulticastPlan, n_targets: int, model_bytes: int, n_blocks: int,
+                         link_gbps: float) -> dict[str, float | None]:
+    # Read off the plan's own schedule (chains the topology planner built need not be the
+    # even split choose_multicast weighed); chains form no pipelines.
+    alg = multicast_algorithm(plan.algorithm)
+    arr = arrival_steps(plan.schedule, plan.k + n_targets, n_blocks, range(plan.k))
+
+    def at(step: int) -> float:
+        return alg.cost.done_s(step, n_blocks, model_bytes, link_gbps * 1e9 / 8, DEFAULT_CHUNK_BYTES,
+                               STEP_OVERHEAD_S)
+
+    first_copy = min(max(s for s in row if s is not None) for row in arr[plan.k:])
+    return {"first_pipeline_s": None, "first_copy_s": at(first_copy),
+            "completion_s": at(schedule_steps(plan.schedule) - 1)}
 
 
 def predicted(plan: MulticastPlan, n_targets: int, model_bytes: int, n_blocks: int,
               link_gbps: float) -> dict[str, float | None]:
     """What the cost model predicts for `plan` (seconds from its first byte): the first
     pipeline, the first complete copy, the last copy (the scale operation records it beside
-    what happened); nothing for an algorithm choose_multicast does not weigh."""
-    choice = choose_multicast(plan.k, n_targets, model_bytes, n_blocks, link_gbps, live=True)
+    what happened); for chains, read off the plan's own chains; nothing for another algorithm
+    choose_multicast does not weigh."""
+    if plan.algorithm in CHAIN_ALGORITHMS:
+        return _schedule_prediction(plan, n_targets, model_bytes, n_blocks, link_gbps)
+    choice = choose_multicast(plan.k, n_targets, model_bytes, n_blocks, link_gbps, live=True,
+                              step_overhead_s=STEP_OVERHEAD_S)
     p = choice.prediction_for(plan.algorithm, plan.k)
     if p is None:
         return {}
@@ -113,7 +147,8 @@ class ModeSpec:
 
 MODES: dict[str, ModeSpec] = {
     "layercast": ModeSpec(multicast=_earliest_capacity, pipelines=True),
-    "chain": ModeSpec(multicast=_every_source("chain")),
+    "chain": ModeSpec(multicast=_every_source("chain")),  # topology-aware chains (libs.planning.chain)
+    "chain-blind": ModeSpec(multicast=_every_source("chain-blind")),  # the same, blind to leaves: the baseline
     "binomial": ModeSpec(multicast=_every_source("binomial"), serve_while_loading=False),
     "faasnet": ModeSpec(multicast=_one_source("binary-tree")),
     "serverlessllm": ModeSpec(keeps_pool=False, serve_while_loading=False, host_keep_alive_on_scale_in=True),
@@ -129,15 +164,95 @@ def mode_spec(mode: str) -> ModeSpec:
         raise ValueError(f"unknown scaling mode {mode!r}; choose from {', '.join(MODES)}") from None
 
 
-def scaleout_plan(mode: str, n_sources: int, n_targets: int, model_bytes: int, n_blocks: int,
-                  link_gbps: float) -> MulticastPlan | None:
-    """The multicast a scale-out of `mode` runs from `n_sources` full copies to `n_targets`
-    new workers; None when the mode does not multicast or there is nothing to send from."""
+def scaleout_choice(mode: str, n_sources: int, n_targets: int, model_bytes: int, n_blocks: int,
+                    link_gbps: float) -> tuple[str, int] | None:
+    """The multicast algorithm and source count `mode` picks for a scale-out from `n_sources`
+    full copies to `n_targets` new workers; None when it does not multicast or cannot."""
     choose = mode_spec(mode).multicast
     if choose is None or n_sources < 1 or n_targets < 1:
         return None
-    algorithm, k = choose(n_sources, n_targets, model_bytes, n_blocks, link_gbps)
+    return choose(n_sources, n_targets, model_bytes, n_blocks, link_gbps)
+
+
+def scaleout_plan(mode: str, n_sources: int, n_targets: int, model_bytes: int, n_blocks: int,
+                  link_gbps: float) -> MulticastPlan | None:
+    """The multicast a scale-out of `mode` runs from `n_sources` full copies to `n_targets`
+    new workers, knowing nothing of the topology (chains: the even split); None when the mode
+    does not multicast or there is nothing to send from. plan_scale_out plans chains on the view."""
+    choice = scaleout_choice(mode, n_sources, n_targets, model_bytes, n_blocks, link_gbps)
+    if choice is None:
+        return None
+    algorithm, k = choice
     return build_plan(algorithm, k + n_targets, n_blocks, k)
+
+
+# --- the topology the chain planner sees -----------------------------------------------------
+
+# The chain algorithms plan_scale_out builds on the view: name -> whether it reads leaves and
+# scale-up groups (chain-blind: the same sources, targets in worker-id order).
+CHAIN_ALGORITHMS: dict[str, bool] = {"chain": True, "chain-blind": False}
+# Instances whose stages stream activations to each other while in these states.
+_STREAMING = (m.InstanceState.loading, m.InstanceState.ready, m.InstanceState.draining)
+
+
+def worker_link_gbps(worker: m.WorkerInfo) -> float:
+    """A worker's network link rate in Gbit/s: what it measured receiving over the network
+    (bandwidths_gbps["network_to_host"], GB/s), else its configured topology.link_gbps."""
+    measured = worker.bandwidths_gbps.get("network_to_host")
+    return measured * 8 if measured else worker.topology.link_gbps
+
+
+def cost_link_gbps(workers: Sequence[m.WorkerInfo]) -> float:
+    """The one link rate the multicast cost model assumes for a scale-out: the median of its
+    workers' rates (worker_link_gbps), so one slow or unmeasured link does not set it."""
+    return statistics.median(worker_link_gbps(w) for w in workers)
+
+
+def live_pair_workers(view: m.ClusterView) -> set[str]:
+    """HOOK for live pairs (BlitzScale §5.2: a loading instance paired with a serving one that
+    streams it activations/KV): the workers whose egress a live pair uses. Live pairs do not
+    exist yet; whoever adds them returns their workers here, and the chain planner prunes them
+    as sources like pipeline stages."""
+    return set()
+
+
+def egress_busy_workers(view: m.ClusterView) -> set[str]:
+    """Workers whose outgoing link carries serving traffic (BlitzScale §4, Fig. 8): every stage
+    of a multi-stage instance (an execution pipeline streams activations between its stages)
+    that is loading, serving or draining, and the workers of live pairs. Scaling traffic
+    from them would slow serving; the chain planner prunes them as sources while another exists."""
+    busy = {s.worker_id for i in view.instances if i.state in _STREAMING and (i.mode == "pipeline" or len(i.stages) > 1)
+            for s in i.stages}
+    return busy | live_pair_workers(view)
+
+
+def worker_gpu(gpu_id: int, worker: m.WorkerInfo, busy_egress: bool) -> Gpu:
+    """The chain planner's view of a worker: its leaf, its scale-up group ("" is a group of its
+    own), its link rate (worker_link_gbps) and whether its egress is busy."""
+    t = worker.topology
+    return Gpu(gpu_id, t.host, t.leaf, t.scaleup_group or None, worker_link_gbps(worker), busy_egress)
+
+
+def chain_multicast(algorithm: str, workers: Mapping[str, m.WorkerInfo], sources: Sequence[str],
+                    receivers: Sequence[str], n_blocks: int, busy: Collection[str] = ()
+                    ) -> tuple[MulticastPlan, list[str]]:
+    """Chains from `sources` (full copies, in preference order) to `receivers`, planned by
+    libs.planning.chain on the workers' topology (`algorithm` in CHAIN_ALGORITHMS; `busy`:
+    egress_busy_workers). Returns the plan and the sources reordered so its k chain heads come
+    first (the plan's nodes are then plan_nodes(plan, sources, receivers), the receivers in
+    the given order): the executors carry it out like any other plan."""
+    topology_aware = CHAIN_ALGORITHMS[algorithm]
+    # Receivers' ids follow worker-id order: the order chain-blind walks them.
+    rank = {w: i for i, w in enumerate(sorted(receivers))}
+    src = [worker_gpu(i, workers[w], w in busy) for i, w in enumerate(sources)]
+    tgt = [worker_gpu(len(sources) + rank[w], workers[w], w in busy) for w in receivers]
+    name = {g.id: w for g, w in zip([*src, *tgt], [*sources, *receivers])}
+    chains = [[name[g.id] for g in chain] for chain in
+              plan_multicast_chains(src, tgt, topology_aware=topology_aware)]
+    heads = [c[0] for c in chains]
+    node = {w: i for i, w in enumerate([*heads, *receivers])}
+    schedule = chain_schedule([[node[w] for w in c] for c in chains], n_blocks)
+    return MulticastPlan(algorithm, len(heads), schedule), [*heads, *(s for s in sources if s not in heads)]
 
 
 # --- the view ---------------------------------------------------------------------------------
@@ -214,7 +329,7 @@ class ScalePlan:
     sources: tuple[str, ...] = ()  # full host copies (targets that hold one too), least loaded first
     receivers: tuple[str, ...] = ()  # targets without a full copy of their own
     multicast: MulticastPlan | None = None  # from the first k sources to the receivers
-    link_gbps: float = 0.0  # the slowest link among sources and receivers
+    link_gbps: float = 0.0  # the cost model's link rate: cost_link_gbps of sources and receivers
     # Alg. 2's groups of receivers that may serve as execution pipelines while the blocks arrive
     pipelines: tuple[tuple[str, ...], ...] = ()
     prediction: Mapping[str, float | None] = field(default_factory=dict)  # see predicted()
@@ -293,9 +408,16 @@ def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[s
     copies = full_copies(block_bytes, held, alive)
     sources = sorted(copies, key=lambda w: (load.get(w, 0), w in targets))
     receivers = [t for t in targets if t not in copies]
-    link_gbps = min(alive[w].topology.link_gbps for w in [*sources, *receivers]) if sources and receivers else 0
-    multicast = scaleout_plan(model.scaling_mode, len(sources), len(receivers), model.total_bytes,
-                              len(model.blocks), link_gbps) if link_gbps else None
+    link_gbps = cost_link_gbps([alive[w] for w in [*sources, *receivers]]) if sources and receivers else 0
+    choice = scaleout_choice(model.scaling_mode, len(sources), len(receivers), model.total_bytes,
+                             len(model.blocks), link_gbps) if link_gbps else None
+    multicast = None
+    if choice is not None and choice[0] in CHAIN_ALGORITHMS:
+        # Chains are planned on the topology: which sources send, and who forwards to whom.
+        multicast, sources = chain_multicast(choice[0], alive, sources, receivers, len(model.blocks),
+                                             egress_busy_workers(view))
+    elif choice is not None:
+        multicast = build_plan(choice[0], choice[1] + len(receivers), len(model.blocks), choice[1])
     pipelines: tuple[tuple[str, ...], ...] = ()
     prediction: dict[str, float | None] = {}
     if multicast is not None:

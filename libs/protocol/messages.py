@@ -120,11 +120,11 @@ class BlockInfo(BaseModel):
 
 # How a deployment scales out (libs.planning.scaleout): layercast's own choice, or a
 # baseline run in the same system.
-ScalingMode = Literal["layercast", "chain", "binomial", "faasnet", "serverlessllm", "static", "ideal"]
+ScalingMode = Literal["layercast", "chain", "chain-blind", "binomial", "faasnet", "serverlessllm", "static", "ideal"]
 # The multicast algorithms' names (libs.planning.multicast.MULTICAST_ALGORITHMS), as plans,
 # scale-operation records (plan.algorithm) and TransferParts carry them; the registry also
 # reads the aliases it lists ("kway" for binomial from k sources).
-MulticastAlgorithmName = Literal["star", "binary-tree", "chain", "binomial"]
+MulticastAlgorithmName = Literal["star", "binary-tree", "chain", "chain-blind", "binomial"]
 # The load-monitor's scaling policies (libs.planning.autoscale.POLICIES).
 ScalingPolicy = Literal["threshold", "concurrency", "slo"]
 

@@ -124,7 +124,7 @@ def test_a_group_with_a_source_or_without_members_needs_no_pipeline():
 
 def test_which_registered_algorithms_form_pipelines_is_read_off_their_schedules():
     assert {name: alg.forms_pipelines for name, alg in MULTICAST_ALGORITHMS.items()} == {
-        "star": False, "binary-tree": False, "chain": False, "binomial": True}
+        "star": False, "binary-tree": False, "chain": False, "chain-blind": False, "binomial": True}
 
 
 def test_a_new_algorithm_gets_pipelines_by_its_schedule_whatever_its_name(monkeypatch):

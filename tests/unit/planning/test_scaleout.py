@@ -24,6 +24,7 @@ from libs.planning.scaleout import (
     plan_nodes,
     plan_scale_in,
     plan_scale_out,
+    predicted,
     scaleout_plan,
     target_load,
 )
@@ -220,7 +221,7 @@ def test_a_target_holding_a_copy_loads_it_itself_and_sends_and_the_least_loaded_
     # w2 loads its own copy and its link is idle: it sends as well (least loaded first)
     assert plan.sources == ("w2", "w1", "w0") and plan.receivers == ("w3",)
     assert [t.receives for t in plan.loads] == [False, True]
-    assert plan.link_gbps == 5.0  # the slowest link among sources and receivers
+    assert plan.link_gbps == 25.0  # the median of the sources' and receivers' links (5, 25, 25, 100)
     assert plan.record()["sources"] == ["w2"] and plan.multicast.k == 1
 
 
@@ -359,3 +360,103 @@ def test_plans_respect_the_view(cluster):
         assert scale_in.host_keep_alive_s == (SERVERLESSLLM_KEEP_ALIVE_S if keeps else None)
     else:
         assert out is None and scale_in is None and decision is None
+
+
+# --- chains planned on the view's topology (libs.planning.chain) -----------------------------------
+
+
+def _placed(wid: str, leaf: str, group: str = "", link_gbps: float = 10.0,
+            measured_gbytes: float | None = None) -> m.WorkerInfo:
+    return m.WorkerInfo(worker_id=wid, data_address=f"{wid}:7000",
+                        topology=m.Topology(host=wid, leaf=leaf, scaleup_group=group, link_gbps=link_gbps),
+                        bandwidths_gbps={} if measured_gbytes is None else {"network_to_host": measured_gbytes},
+                        capacities={m.Tier.host: 1 << 30}, state="alive", last_heartbeat=0.0)
+
+
+def _chains(plan: ScalePlan) -> list[list[str]]:
+    """The plan's chains as worker ids, read off its schedule (who sends block 0 to whom)."""
+    nodes = plan.nodes()
+    parent = {t.dst: t.src for t in plan.multicast.schedule if t.block == 0}
+    child = {s: d for d, s in parent.items()}
+    chains = []
+    for head in range(plan.multicast.k):
+        chain = [head]
+        while chain[-1] in child:
+            chain.append(child[chain[-1]])
+        chains.append([nodes[v] for v in chain])
+    return chains
+
+
+def _two_leaf_view(mode: str, instances=(), model: m.ModelInfo | None = None) -> m.ClusterView:
+    """w0..w7 on two leaves round-robin (w0, w2, ... on leaf-0); w0 and w1 hold the host copy."""
+    workers = [_placed(f"w{i}", f"leaf-{i % 2}") for i in range(8)]
+    model = model or _model(mode, max_instances=8)
+    n = len(model.blocks)
+    return _view(workers, [model], _copy("w0", n) + _copy("w1", n),
+                 list(instances) or [_instance("i0", "w0"), _instance("i1", "w1")])
+
+
+def test_chain_mode_plans_one_chain_per_leaf_from_the_views_topology():
+    plan = plan_scale_out(_two_leaf_view("chain"), _request(8))
+    assert plan.multicast.algorithm == "chain" and sorted(plan.receivers) == [f"w{i}" for i in range(2, 8)]
+    assert sorted(_chains(plan)) == [["w0", "w2", "w4", "w6"], ["w1", "w3", "w5", "w7"]]
+    validate_schedule(plan.multicast.schedule, len(plan.nodes()), N_BLOCKS, sources=range(plan.multicast.k))
+    assert plan.record()["predicted"]["completion_s"] > 0  # read off these chains
+
+
+def test_chain_blind_walks_the_targets_in_worker_id_order_across_leaves():
+    plan = plan_scale_out(_two_leaf_view("chain-blind"), _request(8))
+    assert plan.multicast.algorithm == "chain-blind"
+    assert _chains(plan) == [["w0", "w2", "w3", "w4"], ["w1", "w5", "w6", "w7"]]
+
+
+def test_a_scaleup_group_is_fed_by_one_of_its_members():
+    workers = [_placed("w0", "leaf-0"), _placed("w1", "leaf-0", "nv"), _placed("w2", "leaf-0"),
+               _placed("w3", "leaf-0", "nv")]
+    view = _view(workers, [_model("chain")], _copy("w0"), [_instance("i0", "w0")])
+    plan = plan_scale_out(view, _request(4))
+    assert _chains(plan) == [["w0", "w1", "w3", "w2"]]  # w3 gets its blocks from w1, in its group
+
+
+def _pipeline(iid: str, *wids: str) -> m.InstanceInfo:
+    stages = [m.Stage(worker_id=w, block_start=i, block_end=i + 1) for i, w in enumerate(wids)]
+    return m.InstanceInfo(instance_id=iid, model="other", mode="pipeline", stages=stages,
+                          state=m.InstanceState.ready, created_at=0.0)
+
+
+def test_a_source_serving_a_pipeline_stage_is_pruned_while_another_source_exists():
+    view = _two_leaf_view("chain", [_instance("i0", "w0"), _instance("i1", "w1"), _pipeline("p", "w0", "w7")])
+    # w0 is the least loaded (it would go first) but streams activations to w7's stage.
+    plan = plan_scale_out(view, _request(5), load={"w1": 3})
+    assert plan.senders == ("w1",) and plan.sources == ("w1", "w0")
+    assert all(chain[0] == "w1" for chain in _chains(plan))
+    assert plan.record()["sources"] == ["w1"]
+    # Without the pipeline w0 sends too (least loaded first).
+    plain = plan_scale_out(_two_leaf_view("chain"), _request(5), load={"w1": 3})
+    assert plain.senders == ("w0", "w1")
+
+
+def test_when_every_source_serves_a_pipeline_they_send_anyway():
+    view = _two_leaf_view("chain", [_instance("i0", "w0"), _instance("i1", "w1"), _pipeline("p", "w0", "w1")])
+    assert set(plan_scale_out(view, _request(4)).senders) == {"w0", "w1"}
+
+
+def test_the_cost_model_uses_the_measured_link_rates_and_the_default_where_none_is_measured():
+    def view(measured):
+        workers = [_placed(f"w{i}", "leaf-0", measured_gbytes=measured) for i in range(4)]
+        return _view(workers, [_model("layercast")], _copy("w0"), [_instance("i0", "w0")])
+
+    fast, slow = plan_scale_out(view(None), _request(4)), plan_scale_out(view(0.25), _request(4))
+    assert fast.link_gbps == 10.0 and slow.link_gbps == 2.0  # 0.25 GB/s measured is 2 Gbit/s
+    assert slow.prediction["completion_s"] > fast.prediction["completion_s"]
+    assert slow.prediction == predicted(slow.multicast, 3, 4 << 20, N_BLOCKS, 2.0)
+
+
+def test_layercast_choosing_chains_plans_them_on_the_topology():
+    # One 64 MiB block, 2 copies -> 6 targets: chains finish first (chunk relay) and no
+    # pipeline forms sooner, so layercast picks them.
+    model = _model("layercast", n_blocks=1, max_instances=8)
+    model = model.model_copy(update={"blocks": [model.blocks[0].model_copy(update={"nbytes": 64 << 20})]})
+    plan = plan_scale_out(_two_leaf_view("layercast", model=model), _request(8))
+    assert plan.multicast.algorithm == "chain"
+    assert sorted(_chains(plan)) == [["w0", "w2", "w4", "w6"], ["w1", "w3", "w5", "w7"]]
