@@ -226,3 +226,42 @@ async def test_a_lost_pool_copy_is_re_replicated_onto_a_survivor_when_its_holder
     assert workers.of(m.TransferPart) == []  # the one held block is w2's own: nothing to gather
     await planner.on_worker_expired(m.WorkerExpired(worker_id="w0", last_heartbeat=0.0))
     assert len(workers.of(m.FetchBlocks)) == 1  # within its grace: not sent again
+
+
+def _chain_view(pipeline_on_w0: bool) -> m.ClusterView:
+    """Mode chain; w0..w5 on two leaves round-robin; w0 and w1 hold the host copy and serve;
+    optionally w0 also runs a stage of another model's execution pipeline (w0 -> w4)."""
+    base = _view("chain")
+    workers = [m.WorkerInfo(worker_id=f"w{i}", data_address=f"w{i}:7000",
+                            topology=m.Topology(host=f"w{i}", leaf=f"leaf-{i % 2}", link_gbps=10.0),
+                            capacities={m.Tier.host: 1 << 30}, state="alive", last_heartbeat=0.0) for i in range(6)]
+    model = base.models[0].model_copy(update={"max_instances": 6})
+    copy1 = [r.model_copy(update={"worker_id": "w1"}) for r in base.replicas]
+    serving1 = base.instances[0].model_copy(update={"instance_id": "i1", "stages": [
+        m.Stage(worker_id="w1", block_start=0, block_end=N_BLOCKS)]})
+    instances = [*base.instances, serving1]
+    if pipeline_on_w0:
+        instances.append(m.InstanceInfo(instance_id="p", model="other", mode="pipeline", state=m.InstanceState.ready,
+                                        created_at=0.0, stages=[m.Stage(worker_id="w0", block_start=0, block_end=2),
+                                                                m.Stage(worker_id="w4", block_start=2, block_end=4)]))
+    return base.model_copy(update={"workers": workers, "models": [model], "replicas": base.replicas + copy1,
+                                   "instances": instances})
+
+
+@pytest.mark.parametrize("pipeline_on_w0", [False, True])
+async def test_a_chain_scale_out_sends_from_no_source_that_serves_a_pipeline_while_another_source_exists(
+        pipeline_on_w0):
+    registry, workers = InMemoryRegistry(_chain_view(pipeline_on_w0)), InMemoryWorkers()
+    op = await _scale_out(_planner(registry, workers), desired=5)
+    parts = {p.worker_id: p.cmd for p in workers.of(m.TransferPart)}
+    senders = {w for w, part in parts.items() if part.sends}
+    plan = registry.ops[op.scale_op_id].plan
+    assert plan["algorithm"] == "chain"
+    if pipeline_on_w0:
+        # w0 streams activations to w4: only w1 sends; w0 gets no part at all.
+        assert plan["sources"] == ["w1"] and "w0" not in parts and "w1" in senders
+    else:
+        # Both copies send, each down its own leaf: no hop crosses the spine.
+        assert sorted(plan["sources"]) == ["w0", "w1"] and {"w0", "w1"} <= senders
+        leaf = {f"w{i}": i % 2 for i in range(6)}
+        assert all(leaf[w] == leaf[h.peer] for w, part in parts.items() for h in part.sends)
