@@ -367,7 +367,8 @@ class WorkerService(Service):
         self.loading.runtime = self.runtime
         self.transport = self._make_transport(asyncio.get_running_loop())
         self.transfers = TransferAgent(self.broker, self.transport, self.config.worker_id, _HostTierBlocks(
-            self.cache, self.loader, self.config.device, self._incoming, self.events))
+            self.cache, self.loader, self.config.device, self._incoming, self.events),
+            on_received=lambda nbytes, seconds: self.events.bandwidth("network_to_host", nbytes, seconds))
         log.info("data plane listening on %s", self.transport.address)
         await super().start()
         # Scale-out parts come through JetStream (kept until taken); other commands as RPCs.

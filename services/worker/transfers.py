@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -56,11 +57,15 @@ class BlockStore(Protocol):
 
 
 class TransferAgent:
-    def __init__(self, broker, transport: Transport, worker_id: str, blocks: BlockStore):
+    def __init__(self, broker, transport: Transport, worker_id: str, blocks: BlockStore,
+                 on_received: Callable[[int, float], None] | None = None):
         self.broker = broker
         self.transport = transport
         self.worker_id = worker_id
         self.blocks = blocks
+        # (bytes, seconds) a part received, from its first byte to its last block: the worker
+        # folds it into its network_to_host rate, which the planner's chain planner reads.
+        self.on_received = on_received
         self.running: dict[str, PartRun] = {}
         self._tasks: set[asyncio.Task] = set()
         self._cancelled: OrderedDict[str, str] = OrderedDict()  # transfer id -> why; the latest few
@@ -157,6 +162,8 @@ class TransferAgent:
                     block_arrived_at=result.block_arrived_at, first_byte_at=result.first_byte_at,
                     bytes_sent=result.bytes_sent,
                     bytes_received=result.bytes_received, scale_op_id=part.scale_op_id)
+                if self.on_received and result.bytes_received and result.first_byte_at and result.block_arrived_at:
+                    self.on_received(result.bytes_received, max(result.block_arrived_at.values()) - result.first_byte_at)
                 TRANSFER_BYTES.labels("sent", part.algorithm).inc(result.bytes_sent)
                 TRANSFER_BYTES.labels("received", part.algorithm).inc(result.bytes_received)
                 span.set_attribute("layercast.bytes_received", result.bytes_received)

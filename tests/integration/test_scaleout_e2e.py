@@ -91,6 +91,8 @@ def test_a_scale_out_multicasts_from_the_host_copy_and_the_new_instances_serve(c
     for w in receivers:
         assert sample(metrics[w], "layercast_worker_transfer_bytes_total", algorithm="binomial",
                       direction="received") == model_bytes
+        # ... and measured the rate it received at (the planner's chains read it from the registry).
+        assert sample(metrics[w], "layercast_worker_load_bandwidth_bytes_per_second", link="network_to_host") > 0
     for w in receivers | {pool}:
         assert sample(metrics[w], "layercast_worker_block_load_bytes_total", tier="host") == model_bytes
         assert sample(metrics[w], "layercast_worker_block_load_bytes_total", tier="ssd") == 0
