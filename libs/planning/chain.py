@@ -33,8 +33,10 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from libs.planning.multicast import MulticastPlan, chain_schedule
+
 __all__ = ["Gpu", "ChainHop", "plan_chain_hops", "plan_chains", "chain_ids", "usable_sources",
-           "plan_multicast_chains", "chains_over_nodes"]
+           "plan_multicast_chains", "chains_over_nodes", "CHAIN_ALGORITHMS", "chain_plan_over_nodes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +205,10 @@ def chain_ids(chains: Sequence[Sequence[Gpu]]) -> list[list[int]]:
 # chains stay on their leaf, a group that must keep its egress quiet sits at a
 # chain's tail) and uses every local source for chains of its own leaf.
 
+# The registry's chain algorithms (libs.planning.multicast.MULTICAST_ALGORITHMS) planned here:
+# name -> whether the planner reads leaves and scale-up groups (chain-blind: the baseline).
+CHAIN_ALGORITHMS: dict[str, bool] = {"chain": True, "chain-blind": False}
+
 
 def usable_sources(sources: Sequence[Gpu]) -> list[Gpu]:
     """Fig. 11 line 1: sources whose egress is quiet; all of them when none is (scaling with
@@ -309,3 +315,11 @@ def chains_over_nodes(nodes: Sequence[Gpu], k: int, *, topology_aware: bool = Tr
     if any(g.id != i for i, g in enumerate(nodes)):
         raise ValueError("nodes[i].id must be i")
     return chain_ids(plan_multicast_chains(nodes[:k], nodes[k:], topology_aware=topology_aware))
+
+
+def chain_plan_over_nodes(algorithm: str, nodes: Sequence[Gpu], k: int, n_blocks: int) -> MulticastPlan:
+    """The MulticastPlan of a chain algorithm (a name in CHAIN_ALGORITHMS) over ``nodes``, the
+    first ``k`` holding the model (see chains_over_nodes): what a multicast benchmark over an
+    emulated topology runs for ``chain`` and ``chain-blind``."""
+    chains = chains_over_nodes(nodes, k, topology_aware=CHAIN_ALGORITHMS[algorithm])
+    return MulticastPlan(algorithm, k, chain_schedule(chains, n_blocks))

@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from libs.planning.chain import Gpu, plan_multicast_chains
+from libs.planning.chain import CHAIN_ALGORITHMS, Gpu, plan_multicast_chains
 
 # The registry's names are re-exported: callers plan through this module.
 from libs.planning.multicast import (
@@ -188,9 +188,6 @@ def scaleout_plan(mode: str, n_sources: int, n_targets: int, model_bytes: int, n
 
 # --- the topology the chain planner sees -----------------------------------------------------
 
-# The chain algorithms plan_scale_out builds on the view: name -> whether it reads leaves and
-# scale-up groups (chain-blind: the same sources, targets in worker-id order).
-CHAIN_ALGORITHMS: dict[str, bool] = {"chain": True, "chain-blind": False}
 # Instances whose stages stream activations to each other while in these states.
 _STREAMING = (m.InstanceState.loading, m.InstanceState.ready, m.InstanceState.draining)
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from libs.planning.chain import Gpu, chain_ids, chains_over_nodes, plan_multicast_chains
+from libs.planning.chain import Gpu, chain_ids, chain_plan_over_nodes, chains_over_nodes, plan_multicast_chains
 from libs.planning.multicast import chain_schedule, validate_schedule
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -166,3 +166,24 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError):
         chains_over_nodes([_gpu(1, "A"), _gpu(0, "A")], 1)
     assert plan_multicast_chains([_gpu(0, "A")], []) == []
+
+
+def test_a_benchmark_gets_each_chain_algorithms_plan_over_its_numbered_nodes():
+    # Nodes 0, 1 hold the model (one per leaf); 2..7 alternate leaves, as round-robin placement does.
+    nodes = [_gpu(i, "AB"[i % 2]) for i in range(8)]
+    aware, blind = (chain_plan_over_nodes(a, nodes, 2, 4) for a in ("chain", "chain-blind"))
+    assert (aware.algorithm, aware.k, blind.algorithm, blind.k) == ("chain", 2, "chain-blind", 2)
+    for plan in (aware, blind):
+        validate_schedule(plan.schedule, 8, 4, sources=range(2))
+
+    def spine_hops(plan):
+        return sum(nodes[t.src].leaf != nodes[t.dst].leaf for t in plan.schedule if t.block == 0)
+    assert (spine_hops(aware), spine_hops(blind)) == (0, 4)
+
+
+def test_every_chain_algorithm_is_registered_as_a_multi_source_chunk_relay():
+    from libs.planning.chain import CHAIN_ALGORITHMS
+    from libs.planning.multicast import CHUNK_RELAY, MULTICAST_ALGORITHMS
+
+    for name in CHAIN_ALGORITHMS:
+        assert MULTICAST_ALGORITHMS[name].multi_source and MULTICAST_ALGORITHMS[name].cost is CHUNK_RELAY
