@@ -45,9 +45,10 @@ model (block steps; chunk relay for chains).  First-pipeline times come only
 for algorithms whose schedules let receivers jointly hold the model before each
 holds it alone, over their pipeline groups (λScale Alg. 2 over the plan's
 sub-groups; for binomial that is one pipeline over all targets).
-Ties go to the other objective, then binomial, k-way, chain (``prefer``).  Heterogeneous
-links, leaves and interference are what :mod:`libs.planning.chain` handles;
-this model deliberately leaves them out.  Typical outcome: chains finish a
+Ties go to the other objective, then binomial, k-way, chain (``prefer``).  Leaves, scale-up
+groups and interference are what :mod:`libs.planning.chain` handles: the planner
+(libs.planning.scaleout) plans the chosen chains with it, and feeds this model the median of
+the involved workers' measured link rates and a per-step overhead.  Typical outcome: chains finish a
 full scale-out first, k-way gives live capacity first.
 """
 
