@@ -460,3 +460,34 @@ def test_layercast_choosing_chains_plans_them_on_the_topology():
     plan = plan_scale_out(_two_leaf_view("layercast", model=model), _request(8))
     assert plan.multicast.algorithm == "chain"
     assert sorted(_chains(plan)) == [["w0", "w2", "w4", "w6"], ["w1", "w3", "w5", "w7"]]
+
+
+@st.composite
+def _topology_views(draw):
+    """Chain-planned scale-outs on any topology: 2-9 workers on 1-3 leaves, some in scale-up
+    groups, some measured; 1-3 hold the copy; some serve stages of another model's pipeline."""
+    n = draw(st.integers(2, 9))
+    workers = [_placed(f"w{i}", f"leaf-{draw(st.integers(0, 2))}", draw(st.sampled_from(["", "nv0", "nv1"])),
+                       measured_gbytes=draw(st.sampled_from([None, 0.1, 1.0]))) for i in range(n)]
+    holders = [f"w{i}" for i in range(draw(st.integers(1, min(3, n - 1))))]
+    staged = [f"w{i}" for i in range(n) if draw(st.booleans())]
+    instances = [_instance(f"i{i}", w) for i, w in enumerate(holders)]
+    if len(staged) >= 2:
+        instances.append(_pipeline("p", *staged))
+    mode = draw(st.sampled_from(["chain", "chain-blind", "layercast"]))
+    replicas = [r for w in holders for r in _copy(w)]
+    return _view(workers, [_model(mode, max_instances=n)], replicas, instances), set(holders), set(staged)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_topology_views())
+def test_chains_planned_on_any_topology_are_valid_plans_from_quiet_sources(case):
+    view, holders, staged = case
+    plan = plan_scale_out(view, _request(len(view.workers)))
+    if plan is None or plan.multicast is None or plan.multicast.algorithm not in ("chain", "chain-blind"):
+        return
+    nodes = plan.nodes()
+    assert len(nodes) == len(set(nodes)) and set(plan.senders) <= holders
+    validate_schedule(plan.multicast.schedule, len(nodes), N_BLOCKS, sources=range(plan.multicast.k))
+    if len(staged) >= 2 and holders - staged:
+        assert not set(plan.senders) & staged  # a quiet source exists: no stage worker sends
