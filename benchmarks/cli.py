@@ -235,8 +235,15 @@ def multicast(
     """Every multicast algorithm on one emulated cluster (root: netns + tc), against its bounds."""
     from benchmarks.bench_multicast import run_multicast_benchmark
     from libs.planning.multicast import ALGORITHM_ALIASES, MULTICAST_ALGORITHMS
-    from libs.cluster.emulation import can_emulate
+    from libs.cluster.emulation import EmulationProfile, can_emulate
 
+    try:  # the topology flags first: a bad combination is refused before anything runs
+        EmulationProfile(link_mbit=link_mbit, leaves=leaves, uplink_mbit=uplink_mbit or None,
+                         scaleup_group_size=scaleup_group_size)
+        if leaves > nodes:
+            raise ValueError(f"{leaves} leaves for {nodes} nodes: a leaf would have no node")
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     ok, why = can_emulate()
     if not ok:
         raise typer.BadParameter(f"cannot emulate a cluster here: {why}")

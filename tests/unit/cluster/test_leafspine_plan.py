@@ -157,3 +157,20 @@ def test_profile_topology_fields_defaults_overrides_and_flags():
     # A cluster built from the profile applies it.
     c = EmulatedCluster.from_profile(4, p.with_overrides(disk_read_mbit=0), subnet=SUBNET)
     assert c.profile.leaves == 2 and c.uplink_mbit == 100 and c.scaleup_mbit == 1600
+
+
+def test_commands_take_the_topology_flags_and_refuse_bad_combinations(tmp_path):
+    from typer.testing import CliRunner
+
+    from benchmarks.cli import bench_app
+    from services.cli.app import app
+
+    runner = CliRunner()
+    r = runner.invoke(bench_app, ["multicast", "--workers", "4", "--modes", "chain", "--uplink-mbit", "10"])
+    assert r.exit_code == 2 and "uplink_mbit needs leaves" in " ".join(r.output.split())
+    r = runner.invoke(bench_app, ["multicast", "--workers", "2", "--leaves", "3"])
+    assert r.exit_code == 2 and "a leaf would have no node" in " ".join(r.output.split())
+    r = runner.invoke(bench_app, ["scale", "--no-emulate", "--leaves", "2"])
+    assert r.exit_code == 2 and "only apply with --emulate" in " ".join(r.output.split())
+    r = runner.invoke(app, ["up", "--state-dir", str(tmp_path), "--leaves", "2", "--scaleup-group-size", "2"])
+    assert r.exit_code == 1 and "--leaves, --scaleup-group-size" in " ".join(r.output.split())
