@@ -37,7 +37,7 @@ from libs.planning.multicast import (
     step_bound_s,
 )
 from libs.cluster.launcher import healthy
-from libs.cluster.emulation import EmulatedCluster
+from libs.cluster.emulation import EmulatedCluster, place_nodes
 
 # The default: every registered algorithm; chain-blind is chain itself without a topology to be blind to.
 ALGORITHMS = tuple(a for a in MULTICAST_ALGORITHMS if a != "chain-blind")
@@ -187,10 +187,13 @@ def run_multicast_benchmark(nodes: int = 8, size_mb: float = 256, blocks: int = 
                             algorithms: Sequence[str] = ALGORITHMS, ks: Sequence[int] = (1, 2, 4),
                             chunk_kib: int = 1024, repeat: int = 1, cpu_quota: float | None = None,
                             mtu: int = 9000, seed: int = 1, timeout_s: float | None = None,
-                            emulate: bool = True) -> dict:
+                            emulate: bool = True, leaves: int = 1, uplink_mbit: float | None = None,
+                            scaleup_group_size: int = 1) -> dict:
     """Run every (algorithm, k) `repeat` times on one emulated cluster; one JSON-ready dict.
 
     `emulate=False` runs the same nodes on loopback without rate caps (tests: correctness only).
+    leaves / uplink_mbit / scaleup_group_size: the leaf-spine layout (libs/cluster/emulation.py);
+    node i sits where worker i would, and the JSON's `topology` lists each node's labels.
     """
     from benchmarks.dataplane_node import synthetic_block, synthetic_block_sizes
 
@@ -208,8 +211,9 @@ def run_multicast_benchmark(nodes: int = 8, size_mb: float = 256, blocks: int = 
     # Generous: the slowest schedule (star) at a third of the link rate.
     timeout_s = timeout_s or max(60.0, 3 * max(plan_bound_s(p, blocks, total, rate, chunk) for p in plans))
     with ExitStack() as stack:
-        cluster = stack.enter_context(EmulatedCluster(nodes, link_mbit, cpu_quota=cpu_quota, mtu=mtu)) \
-            if emulate else None
+        cluster = stack.enter_context(EmulatedCluster(
+            nodes, link_mbit, cpu_quota=cpu_quota, mtu=mtu, leaves=leaves, uplink_mbit=uplink_mbit,
+            scaleup_group_size=scaleup_group_size)) if emulate else None
         nats_url, names, addresses = stack.enter_context(
             data_plane_nodes(nodes, total, blocks, seed, max(ks), cluster))
         trials = asyncio.run(_trials(nats_url, plans, names, addresses, sizes, checksums, chunk, repeat,
@@ -237,7 +241,11 @@ def run_multicast_benchmark(nodes: int = 8, size_mb: float = 256, blocks: int = 
         results.append(entry)
     by = {(r["algorithm"], r["k"]): r["completion_s"] for r in results}
     out = {"nodes": nodes, "size_mb": size_mb, "blocks": blocks, "link_mbit": link_mbit, "chunk_kib": chunk_kib,
-           "mtu": mtu, "repeat": repeat, "cpu_quota": cpu_quota, "emulated": emulate, "results": results}
+           "mtu": mtu, "repeat": repeat, "cpu_quota": cpu_quota, "emulated": emulate,
+           "leaves": leaves, "uplink_mbit": uplink_mbit, "scaleup_group_size": scaleup_group_size,
+           "topology": [{"node": names[p.index], "leaf": p.leaf, "scaleup_group": p.scaleup_group}
+                        for p in place_nodes(nodes, leaves, scaleup_group_size)],
+           "results": results}
     base = by.get(("binomial", 1))
     if base:
         out["vs_binomial"] = {f"{a}/binomial" if k == 1 else f"{a}(k={k})/binomial": round(t / base, 3)

@@ -197,25 +197,53 @@ def _int_list(text: str) -> list[int]:
         raise typer.BadParameter(f"{text!r} is not a comma-separated list of integers") from None
 
 
+# The leaf-spine flags (libs/cluster/emulation.py), shared by every command that emulates a cluster.
+def _leaves_option(default: int | None = None):
+    return typer.Option(default, "--leaves", min=1, help="Emulated: workers round-robin over this many leaf "
+                                                         "bridges joined by a spine (default 1: one flat switch).")
+
+
+def _uplink_option():
+    return typer.Option(None, "--uplink-mbit", min=0, help="Emulated, --leaves >= 2: each leaf's uplink to the "
+                                                           "spine, each direction (default / 0: not capped).")
+
+
+def _scaleup_option(default: int | None = None):
+    return typer.Option(default, "--scaleup-group-size", min=1,
+                        help="Emulated: G consecutive workers of a leaf form a scale-up group at 4x the link rate "
+                             "(default 1: none).")
+
+
 @bench_app.command("multicast")
 def multicast(
-    nodes: int = typer.Option(8, "--nodes", min=2, help="Nodes in the emulated cluster, sources included."),
+    nodes: int = typer.Option(8, "--nodes", "--workers", min=2, help="Nodes in the emulated cluster, sources "
+                                                                      "included."),
     size_mb: float = typer.Option(256, "--size-mb", min=0.001, help="Model size in MiB."),
     blocks: int = typer.Option(16, "--blocks", min=1, help="Blocks the model is cut into."),
     link_mbit: float = typer.Option(400, "--link-mbit", min=1, help="Per-node link rate R (both directions)."),
-    algorithms: str = typer.Option("star,binary-tree,chain,binomial", "--algorithms"),
+    algorithms: str = typer.Option("star,binary-tree,chain,binomial", "--algorithms", "--modes"),
     ks: str = typer.Option("1,2,4", "--k", help="Source counts for chain and binomial (k-way)."),
     chunk_kib: int = typer.Option(1024, "--chunk-kib", min=4, help="Frame size of the TCP transport."),
     repeat: int = typer.Option(1, "--repeat", min=1, help="Runs per algorithm; the median is reported."),
     cpu_quota: float = typer.Option(None, "--cpu-quota", help="CPUs per node (cgroup quota); default none."),
     mtu: int = typer.Option(9000, "--mtu", help="Link MTU (jumbo frames as in datacenter fabrics)."),
+    leaves: int = _leaves_option(1),
+    uplink_mbit: float = _uplink_option(),
+    scaleup_group_size: int = _scaleup_option(1),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Every multicast algorithm on one emulated cluster (root: netns + tc), against its bounds."""
     from benchmarks.bench_multicast import run_multicast_benchmark
     from libs.planning.multicast import ALGORITHM_ALIASES, MULTICAST_ALGORITHMS
-    from libs.cluster.emulation import can_emulate
+    from libs.cluster.emulation import EmulationProfile, can_emulate
 
+    try:  # the topology flags first: a bad combination is refused before anything runs
+        EmulationProfile(link_mbit=link_mbit, leaves=leaves, uplink_mbit=uplink_mbit or None,
+                         scaleup_group_size=scaleup_group_size)
+        if leaves > nodes:
+            raise ValueError(f"{leaves} leaves for {nodes} nodes: a leaf would have no node")
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     ok, why = can_emulate()
     if not ok:
         raise typer.BadParameter(f"cannot emulate a cluster here: {why}")
@@ -223,15 +251,20 @@ def multicast(
     bad = [a for a in algs if a not in MULTICAST_ALGORITHMS and a not in ALGORITHM_ALIASES]
     if bad:
         raise typer.BadParameter(f"unknown algorithms {bad}; choose from {', '.join(MULTICAST_ALGORITHMS)}")
-    result = run_multicast_benchmark(nodes, size_mb, blocks, link_mbit, algs, _int_list(ks), chunk_kib, repeat,
-                                     cpu_quota, mtu)
+    try:
+        result = run_multicast_benchmark(nodes, size_mb, blocks, link_mbit, algs, _int_list(ks), chunk_kib, repeat,
+                                         cpu_quota, mtu, leaves=leaves, uplink_mbit=uplink_mbit or None,
+                                         scaleup_group_size=scaleup_group_size)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     if json_out:
         typer.echo(json.dumps(result))
         return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"multicast of {size_mb} MiB in {blocks} blocks to {nodes} nodes at {link_mbit} Mbit/s")
+    where = "" if leaves == 1 else f" on {leaves} leaves (uplinks {uplink_mbit or 'uncapped'} Mbit/s)"
+    table = Table(title=f"multicast of {size_mb} MiB in {blocks} blocks to {nodes} nodes at {link_mbit} Mbit/s{where}")
     for col in ("algorithm", "k", "completion s", "schedule bound s", "measured/bound", "measured/(M/R)"):
         table.add_column(col, justify="right")
     for r in result["results"]:
@@ -305,14 +338,16 @@ def serve(
 
 def _emulation_profile(emulate: bool, link_mbit: float | None, disk_mbit: float | None,
                        host_to_device_mbit: float | None, cpu_quota: float | None,
-                       host_cache_models: int | None = None):
+                       host_cache_models: int | None = None, leaves: int | None = None,
+                       uplink_mbit: float | None = None, scaleup_group_size: int | None = None):
     """The default emulated cluster profile with the command's overrides (None: not emulated)."""
     from libs.cluster.emulation import can_emulate, requested_profile
 
     try:
         profile = requested_profile(emulate, link_mbit=link_mbit, disk_read_mbit=disk_mbit,
                                     host_to_device_mbit=host_to_device_mbit, cpu_quota=cpu_quota,
-                                    host_cache_models=host_cache_models)
+                                    host_cache_models=host_cache_models, leaves=leaves, uplink_mbit=uplink_mbit,
+                                    scaleup_group_size=scaleup_group_size)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     if profile is not None:
@@ -368,6 +403,9 @@ def trace(
     host_cache_models: int = typer.Option(None, "--host-cache-models", min=0,
                                           help="With --emulate: models a worker's host memory keeps (default 3); "
                                                "0: bounded by bytes only."),
+    leaves: int = _leaves_option(),
+    uplink_mbit: float = _uplink_option(),
+    scaleup_group_size: int = _scaleup_option(),
     plot: Path = typer.Option(None, "--plot", help="Write a PNG: request rate, instances, TTFT CDF."),
     attribution: str = typer.Option(None, "--attribution", help="The trace's attribution (default: from its name)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -396,7 +434,7 @@ def trace(
     if (slo_ttft_s is None) != (slo_tbt_s is None):
         raise typer.BadParameter("give both --slo-ttft-s and --slo-tbt-s, or neither")
     profile = _emulation_profile(emulate, link_mbit, disk_mbit, host_to_device_mbit, cpu_quota,
-                                 host_cache_models)
+                                 host_cache_models, leaves, uplink_mbit, scaleup_group_size)
     cfg = TraceBenchConfig(workers=workers, max_instances=max_instances or None, preset=preset, blocks=blocks,
                            model_path=model, keep_alive_s=keep_alive_s, scale_down_delay_s=scale_down_delay_s,
                            serverlessllm_keep_alive_s=serverlessllm_keep_alive_s,
@@ -461,6 +499,9 @@ def scale(
     host_cache_models: int = typer.Option(None, "--host-cache-models", min=0,
                                           help="With --emulate: models a worker's host memory keeps (default 3); "
                                                "0: bounded by bytes only."),
+    leaves: int = _leaves_option(),
+    uplink_mbit: float = _uplink_option(),
+    scaleup_group_size: int = _scaleup_option(),
     timeout_s: float = typer.Option(600.0, "--timeout-s", help="Per wait (settle, scale-out)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     state_dir: Path = typer.Option(Path(".layercast"), "--state-dir"),
@@ -472,7 +513,7 @@ def scale(
     from libs.cluster.launcher import ClusterError
 
     profile = _emulation_profile(emulate, link_mbit, disk_mbit, host_to_device_mbit, cpu_quota,
-                                 host_cache_models)
+                                 host_cache_models, leaves, uplink_mbit, scaleup_group_size)
     try:
         path = model or bench_model(state_dir.resolve(), preset, blocks)
         result = run_scale_benchmark(modes=parse_modes(modes), workers=workers, from_n=from_n, to_n=to_n,

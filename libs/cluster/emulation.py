@@ -16,6 +16,16 @@ Layout for prefix P (every name starts with P so `cleanup_stale(P)` finds it):
     cgroup:      /sys/fs/cgroup/cpu/Pn<i> (only with cpu_quota)
     cgroup:      /sys/fs/cgroup/blkio/Pn<i> (only with disk_read_mbit)
 
+Leaf-spine (leaves L >= 2; `place_nodes`): Pbr is the spine and holds the host
+address; worker i's Ph<i> joins leaf bridge Pl<i % L> instead, and each leaf
+reaches the spine through a veth pair Pu<l> (on the leaf) / Ps<l> (on the spine),
+tbf-capped at uplink_mbit in each direction for traffic between workers (traffic
+to and from the host, i.e. NATS, the gateway and health checks, is not: as if the
+host sat on every leaf). Scale-up groups (scaleup_group_size G >= 2): G
+consecutive workers of one leaf; each worker's two veth ends carry an htb qdisc
+whose u32 filters send traffic between group members to a tbf at
+scaleup_speedup x the link rate, all else to the link's tbf (`link_shaping_cmds`).
+
 Disk caps throttle reads from the whole disk holding `disk_path`; they only see
 I/O that reaches the disk, so page-cache hits are not slowed (the checkpoint
 loader reads with O_DIRECT). The host->device rate is not applied here: it is
@@ -89,26 +99,55 @@ class EmulationProfile:
     # Models a worker's host memory keeps (LRU), as lambdaScale 2.3 sizes a node: "up to 3 models".
     # It bounds serverlessllm's host cache; the workers apply it (--host-cache-models).
     host_cache_models: int | None = 3
+    # Leaf-spine topology (BlitzScale 5.1's model); the defaults are one flat switch.
+    leaves: int = 1                      # workers spread round-robin over this many leaf bridges
+    uplink_mbit: float | None = None     # each leaf's uplink to the spine, each direction (needs leaves >= 2)
+    scaleup_group_size: int = 1          # G consecutive workers of a leaf share a faster scale-up path
+    scaleup_speedup: float = 4.0         # the scale-up path's rate: this x link_mbit
 
     def __post_init__(self) -> None:
-        for name in ("link_mbit", "disk_read_mbit", "host_to_device_mbit", "cpu_quota", "host_cache_models"):
+        for name in ("link_mbit", "disk_read_mbit", "host_to_device_mbit", "cpu_quota", "host_cache_models",
+                     "uplink_mbit"):
             _check_cap(name, getattr(self, name))
+        for name in ("leaves", "scaleup_group_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1")
+        if self.scaleup_speedup <= 0:
+            raise ValueError("scaleup_speedup must be > 0")
+        if self.uplink_mbit is not None and self.leaves < 2:
+            raise ValueError("uplink_mbit needs leaves >= 2 (one leaf has no uplink between workers)")
+
+    @property
+    def flat(self) -> bool:
+        """One switch, no scale-up groups: the profile before leaf-spine existed."""
+        return self.leaves == 1 and self.scaleup_group_size == 1
 
     def with_overrides(self, *, link_mbit: float | None = None, disk_read_mbit: float | None = None,
                        host_to_device_mbit: float | None = None, cpu_quota: float | None = None,
-                       host_cache_models: int | None = None) -> EmulationProfile:
-        """This profile with the given values replaced: None keeps a value, 0 uncaps it (command-line style)."""
+                       host_cache_models: int | None = None, leaves: int | None = None,
+                       uplink_mbit: float | None = None, scaleup_group_size: int | None = None) -> EmulationProfile:
+        """This profile with the given values replaced: None keeps a value, 0 uncaps it (command-line style);
+        leaves and scaleup_group_size are counts (None keeps them, 0 is refused)."""
         given = dict(link_mbit=link_mbit, disk_read_mbit=disk_read_mbit, host_to_device_mbit=host_to_device_mbit,
-                     cpu_quota=cpu_quota, host_cache_models=host_cache_models)
-        return replace(self, **{k: (v or None) for k, v in given.items() if v is not None})
+                     cpu_quota=cpu_quota, host_cache_models=host_cache_models, uplink_mbit=uplink_mbit)
+        changes: dict[str, Any] = {k: (v or None) for k, v in given.items() if v is not None}
+        changes.update({k: v for k, v in dict(leaves=leaves, scaleup_group_size=scaleup_group_size).items()
+                        if v is not None})
+        return replace(self, **changes)
 
     def describe(self) -> str:
         def rate(v: float | None) -> str:
             return f"{v:g} Mbit/s" if v else "uncapped"
         cpu = f"{self.cpu_quota:g} per worker" if self.cpu_quota else "uncapped"
         cache = f"{self.host_cache_models} models" if self.host_cache_models else "bounded by bytes only"
-        return (f"links {rate(self.link_mbit)}, disk reads {rate(self.disk_read_mbit)}, "
+        text = (f"links {rate(self.link_mbit)}, disk reads {rate(self.disk_read_mbit)}, "
                 f"host->device {rate(self.host_to_device_mbit)}, CPU {cpu}, host cache {cache}")
+        if self.leaves > 1:
+            text += f", {self.leaves} leaves with uplinks {rate(self.uplink_mbit)}"
+        if self.scaleup_group_size > 1:
+            fast = rate(self.link_mbit * self.scaleup_speedup) if self.link_mbit else "uncapped"
+            text += f", scale-up groups of {self.scaleup_group_size} at {fast}"
+        return text
 
 
 DEFAULT_PROFILE = EmulationProfile()
@@ -116,7 +155,8 @@ DEFAULT_PROFILE = EmulationProfile()
 # The profile's command-line flags (`up --emulate`, `bench scale`, `bench trace`).
 PROFILE_FLAGS = {"link_mbit": "--link-mbit", "disk_read_mbit": "--disk-mbit",
                  "host_to_device_mbit": "--host-to-device-mbit", "cpu_quota": "--cpu-quota",
-                 "host_cache_models": "--host-cache-models"}
+                 "host_cache_models": "--host-cache-models", "leaves": "--leaves", "uplink_mbit": "--uplink-mbit",
+                 "scaleup_group_size": "--scaleup-group-size"}
 
 
 def requested_profile(emulate: bool, **overrides: float | None) -> EmulationProfile | None:
@@ -137,6 +177,105 @@ class EmulatedNode:
     ip: str             # the node's address on the bridge
     cgroup: str | None  # cgroup v1 cpu group path if a CPU quota is set
     blkio_cgroup: str | None = None  # cgroup v1 blkio group path if disk reads are capped
+    leaf_index: int = 0              # which leaf bridge it hangs off (0 in the flat layout)
+    leaf: str = "leaf-0"             # the worker's --leaf label
+    scaleup_group: str = ""          # the worker's --scaleup-group label ("": a domain of its own)
+    scaleup_peers: tuple[int, ...] = ()  # indices of the other members of its scale-up group
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where worker `index` sits in a leaf-spine topology (pure: see place_nodes)."""
+
+    index: int
+    leaf_index: int
+    group_index: int | None  # its scale-up group within the leaf; None when groups have one member
+
+    @property
+    def leaf(self) -> str:
+        return f"leaf-{self.leaf_index}"
+
+    @property
+    def scaleup_group(self) -> str:
+        return "" if self.group_index is None else f"{self.leaf}/g{self.group_index}"
+
+
+def place_nodes(n_nodes: int, leaves: int = 1, scaleup_group_size: int = 1) -> list[Placement]:
+    """Worker i goes to leaf i % L (round-robin, so the first L workers sit on different leaves);
+    on its leaf it is the (i // L)-th worker, and G consecutive workers of a leaf form scale-up
+    group (i // L) // G. With G = 1 no worker has a group (its own domain, the worker's default)."""
+    if n_nodes < 1 or leaves < 1 or scaleup_group_size < 1:
+        raise ValueError("n_nodes, leaves and scaleup_group_size must be >= 1")
+    return [Placement(i, i % leaves, None if scaleup_group_size == 1 else (i // leaves) // scaleup_group_size)
+            for i in range(n_nodes)]
+
+
+def scaleup_peers(placements: list[Placement], index: int) -> tuple[int, ...]:
+    """The other members of worker `index`'s scale-up group (always on its own leaf)."""
+    me = placements[index]
+    if me.group_index is None:
+        return ()
+    return tuple(p.index for p in placements
+                 if p.index != index and p.leaf_index == me.leaf_index and p.group_index == me.group_index)
+
+
+def _tc(netns: str | None) -> list[str]:
+    return ["tc", *(["-n", netns] if netns else [])]
+
+
+# The split root: htb (the only classful qdisc many minimal kernels build besides none) with two
+# root classes, 1:1 and 1:2, that never borrow from each other; unclassified packets go to 1:2
+# (`default 2`), a u32 filter moves a packet to 1:1. The classes themselves run at a rate no
+# emulated link reaches, with an explicit burst (tc computes 0 for 64-bit rates), so each
+# class's tbf child does the shaping exactly as a lone tbf would; the two paths stay independent.
+_CLASS_UNCAPPED = ["rate", "100gbit", "ceil", "100gbit", "burst", "4mb", "cburst", "4mb", "quantum", "131072"]
+
+
+def _split_cmds(netns: str | None, dev: str, match: str, addresses: list[str], class1: list[str] | None,
+                class2: list[str] | None) -> list[list[str]]:
+    """An htb root on dev: IPv4 packets whose `match` (src|dst) address is one of `addresses` go to
+    class 1:1 (under qdisc `class1`, or htb's default fifo if None), all else to class 1:2
+    (under `class2`, likewise)."""
+    if match not in ("src", "dst"):
+        raise ValueError("match must be 'src' or 'dst'")
+    tc = _tc(netns)
+    cmds = [[*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "2"]]
+    for cls, qdisc in ((1, class1), (2, class2)):
+        cmds.append([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{cls}", "htb", *_CLASS_UNCAPPED])
+        if qdisc is not None:
+            cmds.append([*tc, "qdisc", "add", "dev", dev, "parent", f"1:{cls}", "handle", f"{cls}0:", *qdisc])
+    for addr in addresses:
+        cmds.append([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                     "match", "ip", match, f"{addr}/32", "flowid", "1:1"])
+    return cmds
+
+
+def link_shaping_cmds(dev: str, netns: str | None, link_mbit: float | None, mtu: int, *, match: str,
+                      scaleup_peer_ips: list[str] = (), scaleup_mbit: float | None = None) -> list[list[str]]:
+    """tc commands shaping one direction of a worker's link (empty: nothing to shape).
+
+    Without scale-up peers: one tbf at link_mbit, as the flat profile always had. With them:
+    traffic whose `match` address (dst on the worker's own end = its upload, src on the
+    bridge's end = its download) is a peer's takes a tbf at scaleup_mbit, the rest the link's
+    tbf; the two do not share a budget, as NVLink and the NIC are separate wires."""
+    if link_mbit is None:
+        return []  # the scale-up path is a multiple of an uncapped link: nothing to tell apart
+    if not scaleup_peer_ips:
+        return [[*_tc(netns), "qdisc", "add", "dev", dev, "root", *_tbf_args(link_mbit, mtu)]]
+    if scaleup_mbit is None:
+        raise ValueError("scale-up peers need scaleup_mbit")
+    return _split_cmds(netns, dev, match, list(scaleup_peer_ips), _tbf_args(scaleup_mbit, mtu),
+                       _tbf_args(link_mbit, mtu))
+
+
+def uplink_shaping_cmds(dev: str, uplink_mbit: float | None, mtu: int, *, host_ip: str,
+                        match: str) -> list[list[str]]:
+    """tc commands capping one direction of a leaf's uplink (a root-namespace veth) at uplink_mbit,
+    except traffic to (match=dst, leaf->spine) or from (match=src, spine->leaf) the host: the
+    control plane (NATS, gateway, health checks) is not the data fabric being emulated."""
+    if uplink_mbit is None:
+        return []
+    return _split_cmds(None, dev, match, [host_ip], None, _tbf_args(uplink_mbit, mtu))
 
 
 def block_device_of(path: str | os.PathLike) -> str:
@@ -305,13 +444,18 @@ class EmulatedCluster:
     def __init__(self, n_nodes: int, link_mbit: float | None = None, *, cpu_quota: float | None = None,
                  disk_read_mbit: float | None = None, disk_path: str | os.PathLike | None = None,
                  host_to_device_mbit: float | None = None, host_cache_models: int | None = None,
+                 leaves: int = 1, uplink_mbit: float | None = None, scaleup_group_size: int = 1,
+                 scaleup_speedup: float = 4.0,
                  mtu: int = 9000, prefix: str | None = None, subnet: str | None = None) -> None:
         if n_nodes < 1:
             raise ValueError("n_nodes must be >= 1")
         # What is applied (validated there); callers read e.g. profile.host_to_device_mbit.
         self.profile = EmulationProfile(link_mbit=link_mbit, disk_read_mbit=disk_read_mbit,
                                         host_to_device_mbit=host_to_device_mbit, cpu_quota=cpu_quota,
-                                        host_cache_models=host_cache_models)
+                                        host_cache_models=host_cache_models, leaves=leaves, uplink_mbit=uplink_mbit,
+                                        scaleup_group_size=scaleup_group_size, scaleup_speedup=scaleup_speedup)
+        if leaves > n_nodes:
+            raise ValueError(f"{leaves} leaves for {n_nodes} nodes: a leaf would have no worker")
         if disk_read_mbit is not None and disk_path is None:
             raise ValueError("disk_read_mbit needs disk_path (a path on the disk holding the checkpoints)")
         if not 68 <= mtu <= 65535:
@@ -338,11 +482,19 @@ class EmulatedCluster:
         self.subnet = net
         hosts = net.hosts()
         self.host_ip = str(next(hosts))
+        self.leaves = leaves
+        self.uplink_mbit = uplink_mbit
+        self.scaleup_mbit = link_mbit * scaleup_speedup if link_mbit is not None else None
+        # Leaf bridges only in a leaf-spine layout: with one leaf, workers sit on Pbr as they always did.
+        self.leaf_bridges = [f"{self.prefix}l{k}" for k in range(leaves)] if leaves > 1 else []
+        placements = place_nodes(n_nodes, leaves, scaleup_group_size)
         self.nodes: list[EmulatedNode] = []
-        for i in range(n_nodes):
+        for i, place in enumerate(placements):
             cgroup = str(CPU_CGROUP_ROOT / f"{self.prefix}n{i}") if cpu_quota is not None else None
             blkio = str(BLKIO_CGROUP_ROOT / f"{self.prefix}n{i}") if disk_read_mbit is not None else None
-            self.nodes.append(EmulatedNode(i, f"{self.prefix}n{i}", str(next(hosts)), cgroup, blkio))
+            self.nodes.append(EmulatedNode(i, f"{self.prefix}n{i}", str(next(hosts)), cgroup, blkio,
+                                           place.leaf_index, place.leaf, place.scaleup_group,
+                                           scaleup_peers(placements, i)))
 
         # What start() actually created, in order, so close() undoes exactly
         # that (and never something of the same name it did not make).
@@ -356,7 +508,14 @@ class EmulatedCluster:
         """A cluster applying `profile`; disk_path: where the checkpoints live (with a disk cap)."""
         return cls(n_nodes, profile.link_mbit, cpu_quota=profile.cpu_quota, disk_read_mbit=profile.disk_read_mbit,
                    disk_path=disk_path, host_to_device_mbit=profile.host_to_device_mbit,
-                   host_cache_models=profile.host_cache_models, **kwargs)
+                   host_cache_models=profile.host_cache_models, leaves=profile.leaves,
+                   uplink_mbit=profile.uplink_mbit, scaleup_group_size=profile.scaleup_group_size,
+                   scaleup_speedup=profile.scaleup_speedup, **kwargs)
+
+    def topology(self) -> list[dict[str, Any]]:
+        """Per node: its address, leaf and scale-up group labels (what the workers register)."""
+        return [{"index": n.index, "ip": n.ip, "leaf": n.leaf, "scaleup_group": n.scaleup_group}
+                for n in self.nodes]
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -396,6 +555,23 @@ class EmulatedCluster:
         _run(["ip", "addr", "add", f"{self.host_ip}/{plen}", "dev", self.bridge])
         _run(["ip", "link", "set", self.bridge, "up"])
 
+        for k, leaf in enumerate(self.leaf_bridges):
+            _run(["ip", "link", "add", "name", leaf, "mtu", str(self.mtu), "type", "bridge", "forward_delay", "0"])
+            self._made.append(("link", leaf, None))
+            _run(["ip", "link", "set", leaf, "up"])
+            # The uplink: Pu<k> on the leaf, its peer Ps<k> on the spine. A tree, so no STP is needed.
+            up_if, spine_if = f"{self.prefix}u{k}", f"{self.prefix}s{k}"
+            _run(["ip", "link", "add", up_if, "mtu", str(self.mtu), "type", "veth",
+                  "peer", "name", spine_if, "mtu", str(self.mtu)])
+            self._made.append(("link", up_if, None))
+            _run(["ip", "link", "set", up_if, "master", leaf, "up"])
+            _run(["ip", "link", "set", spine_if, "master", self.bridge, "up"])
+            # Leaf -> spine leaves by Pu<k>'s egress, spine -> leaf by Ps<k>'s.
+            self._apply(uplink_shaping_cmds(up_if, self.uplink_mbit, self.mtu, host_ip=self.host_ip, match="dst"),
+                        up_if, None)
+            self._apply(uplink_shaping_cmds(spine_if, self.uplink_mbit, self.mtu, host_ip=self.host_ip,
+                                            match="src"), spine_if, None)
+
         for node in self.nodes:
             host_if, node_if = f"{self.prefix}h{node.index}", f"{self.prefix}v{node.index}"
             _run(["ip", "netns", "add", node.netns])
@@ -409,17 +585,19 @@ class EmulatedCluster:
             _run(["ip", "link", "add", host_if, "mtu", str(self.mtu), "type", "veth",
                   "peer", "name", node_if, "mtu", str(self.mtu), "netns", node.netns])
             self._made.append(("link", host_if, None))
-            _run(["ip", "link", "set", host_if, "master", self.bridge, "up"])
+            port_of = self.leaf_bridges[node.leaf_index] if self.leaf_bridges else self.bridge
+            _run(["ip", "link", "set", host_if, "master", port_of, "up"])
             _run(["ip", "-n", node.netns, "addr", "add", f"{node.ip}/{plen}", "dev", node_if])
             _run(["ip", "-n", node.netns, "link", "set", node_if, "up"])
-            if self.link_mbit is not None:
-                tbf = _tbf_args(self.link_mbit, self.mtu)
-                # Upload: egress of the node's own end. Download: egress of the
-                # bridge port towards the node (where the bridge delivers to it).
-                _run(["tc", "-n", node.netns, "qdisc", "add", "dev", node_if, "root", *tbf])
-                self._made.append(("qdisc", node_if, node.netns))
-                _run(["tc", "qdisc", "add", "dev", host_if, "root", *tbf])
-                self._made.append(("qdisc", host_if, None))
+            # Upload: egress of the node's own end. Download: egress of the
+            # bridge port towards the node (where the bridge delivers to it).
+            peer_ips = [self.nodes[j].ip for j in node.scaleup_peers]
+            self._apply(link_shaping_cmds(node_if, node.netns, self.link_mbit, self.mtu, match="dst",
+                                          scaleup_peer_ips=peer_ips, scaleup_mbit=self.scaleup_mbit),
+                        node_if, node.netns)
+            self._apply(link_shaping_cmds(host_if, None, self.link_mbit, self.mtu, match="src",
+                                          scaleup_peer_ips=peer_ips, scaleup_mbit=self.scaleup_mbit),
+                        host_if, None)
             if node.cgroup is not None:
                 cg = Path(node.cgroup)
                 cg.mkdir()
@@ -435,7 +613,16 @@ class EmulatedCluster:
                 (cg / "blkio.throttle.read_bps_device").write_text(f"{self.disk_device} {bytes_per_s}")
         # The bridge keeps the MTU we set even as ports join (kernel >= 4.17);
         # re-set it in case an older kernel lowered it to a port's.
-        _run(["ip", "link", "set", self.bridge, "mtu", str(self.mtu)])
+        for bridge in (self.bridge, *self.leaf_bridges):
+            _run(["ip", "link", "set", bridge, "mtu", str(self.mtu)])
+
+    def _apply(self, cmds: list[list[str]], dev: str, netns: str | None) -> None:
+        """Run one device's tc commands; once its root qdisc exists, close() deletes it (and with it
+        its classes, child qdiscs and filters)."""
+        for j, cmd in enumerate(cmds):
+            _run(cmd)
+            if j == 0:
+                self._made.append(("qdisc", dev, netns))
 
     def close(self) -> None:
         """Undo start(). Safe to call twice, after a failed start, or when things
@@ -569,7 +756,9 @@ def can_emulate() -> tuple[bool, str]:
         for cmd in (["ip", "-n", probe, "link", "add", "b0", "type", "bridge"],
                     ["ip", "-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
                     ["ip", "-n", probe, "link", "set", "v0", "master", "b0"],
-                    ["tc", "-n", probe, "qdisc", "add", "dev", "v0", "root", *_tbf_args(100, 9000)]):
+                    ["tc", "-n", probe, "qdisc", "add", "dev", "v0", "root", *_tbf_args(100, 9000)],
+                    # Scale-up groups and leaf uplinks: htb + u32 (see _split_cmds).
+                    *_split_cmds(probe, "v1", "dst", ["10.0.0.1"], _tbf_args(100, 9000), None)):
             _run(cmd)
     except EmulationError as e:
         return False, f"missing kernel support: {e}"

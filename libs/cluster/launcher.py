@@ -191,6 +191,11 @@ def worker_args(spec: ClusterSpec, i: int, emulation: "EmulatedCluster | None" =
             args += ["--emulated-host-to-device-mbit", f"{emulation.profile.host_to_device_mbit:g}"]
         if emulation.profile.host_cache_models:
             args += ["--host-cache-models", str(emulation.profile.host_cache_models)]
+        # Where the emulator placed it, so the registry (and the planner) sees the topology.
+        node = emulation.nodes[i]
+        args += ["--leaf", node.leaf]
+        if node.scaleup_group:
+            args += ["--scaleup-group", node.scaleup_group]
     return args
 
 

@@ -359,6 +359,16 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
        host_cache_models: int = typer.Option(None, "--host-cache-models", min=0,
                                              help="With --emulate: models a worker's host memory keeps "
                                                   "(default 3, lambdaScale); 0: bounded by bytes only."),
+       leaves: int = typer.Option(None, "--leaves", min=1,
+                                  help="With --emulate: spread workers round-robin over this many leaf bridges "
+                                       "joined by a spine bridge (default 1: one flat switch)."),
+       uplink_mbit: float = typer.Option(None, "--uplink-mbit",
+                                         help="With --emulate and --leaves >= 2: each leaf's uplink to the spine, "
+                                              "each direction, for traffic between workers (tc tbf); 0 or "
+                                              "unset: not capped."),
+       scaleup_group_size: int = typer.Option(None, "--scaleup-group-size", min=1,
+                                              help="With --emulate: G consecutive workers of a leaf form a "
+                                                   "scale-up group, linked at 4x the link rate (default 1: none)."),
        sharing: str = typer.Option(os.environ.get("LAYERCAST_SHARING", "exclusive"), "--sharing",
                                      help="exclusive: each worker steps its engines in turn; mesh (LLM-Mesh): "
                                           "many models share a worker, one headroom-driven scheduler, admission by "
@@ -371,7 +381,8 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
     try:
         profile = requested_profile(emulate, link_mbit=link_mbit, disk_read_mbit=disk_mbit,
                                     host_to_device_mbit=host_to_device_mbit, cpu_quota=cpu_quota,
-                                    host_cache_models=host_cache_models)
+                                    host_cache_models=host_cache_models, leaves=leaves, uplink_mbit=uplink_mbit,
+                                    scaleup_group_size=scaleup_group_size)
     except ValueError as e:
         _fail(str(e))
     if emulate:
@@ -408,6 +419,10 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
             console.print(f"emulated cluster profile: {profile.describe()}")
             console.print(f"emulated network: bridge {emulation.bridge} ({emulation.host_ip}), workers on "
                           f"{', '.join(n.ip for n in emulation.nodes)}")
+            if not profile.flat:
+                console.print("topology: " + ", ".join(
+                    f"worker-{n.index} {n.leaf}" + (f" {n.scaleup_group}" if n.scaleup_group else "")
+                    for n in emulation.nodes))
         _up(spec, state_dir, workers, demo, demo_preset, demo_blocks, detach, emulation)
 
 
