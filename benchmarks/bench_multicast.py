@@ -38,6 +38,7 @@ from libs.planning.multicast import (
 )
 from libs.cluster.launcher import healthy
 from libs.cluster.emulation import EmulatedCluster, place_nodes
+from libs.planning.chain import CHAIN_ALGORITHMS, Gpu, chain_plan_over_nodes
 
 # The default: every registered algorithm; chain-blind is chain itself without a topology to be blind to.
 ALGORITHMS = tuple(a for a in MULTICAST_ALGORITHMS if a != "chain-blind")
@@ -206,8 +207,13 @@ def run_multicast_benchmark(nodes: int = 8, size_mb: float = 256, blocks: int = 
     checksums = [zlib.crc32(synthetic_block(seed, b, n).numpy()) for b, n in enumerate(sizes)]
     rate = link_mbit * 1e6 / 8
     chunk = chunk_kib << 10
-    plans = [build_plan(a, nodes, blocks, k) for a in algorithms
-             for k in (ks if MULTICAST_ALGORITHMS[a].multi_source else [1])]
+    # Chains are planned over the emulated topology as the planner plans them over the registry's
+    # view (chain: leaves and scale-up groups; chain-blind: worker-id order); node i sits where
+    # worker i would.
+    gpus = [Gpu(p.index, f"node-{p.index}", p.leaf, p.scaleup_group or None, link_mbit / 1000)
+            for p in place_nodes(nodes, leaves, scaleup_group_size)]
+    plans = [chain_plan_over_nodes(a, gpus, k, blocks) if a in CHAIN_ALGORITHMS else build_plan(a, nodes, blocks, k)
+             for a in algorithms for k in (ks if MULTICAST_ALGORITHMS[a].multi_source else [1])]
     # Generous: the slowest schedule (star) at a third of the link rate.
     timeout_s = timeout_s or max(60.0, 3 * max(plan_bound_s(p, blocks, total, rate, chunk) for p in plans))
     with ExitStack() as stack:
