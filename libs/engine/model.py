@@ -217,12 +217,25 @@ class LayerRange(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        blocks: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """Run the range; `logits_to_keep=k > 0` computes the head for the last k positions only."""
+        """Run the range; `logits_to_keep=k > 0` computes the head for the last k positions only.
+
+        `blocks=(a, b)`: only blocks [a, b) of the range (a live pair's split prefill, BlitzScale
+        §5.2: the loading side runs the first blocks, the serving side the rest on the hidden
+        state; the engine's slot cache only). Blocks outside them are neither run nor waited for.
+        """
+        first, end = (self.block_start, self.block_end) if blocks is None else blocks
+        if not self.block_start <= first < end <= self.block_end:
+            raise ValueError(f"blocks [{first}, {end}) are not inside [{self.block_start}, {self.block_end})")
+        if (first, end) != (self.block_start, self.block_end) and not isinstance(cache, BatchView):
+            raise ValueError("a part of the range runs over the engine's slot cache only")
+        embed = self.has_embedding and first == self.block_start
+        head = self.has_head and end == self.block_end
         loading = bool(self._unbound)
         if loading:
-            self._need(self.block_start)
-        if self.has_embedding:
+            self._need(first)
+        if embed:
             if inputs.dtype not in (torch.int32, torch.int64):
                 raise TypeError("a range that starts at block 0 takes token ids")
             hidden = self.embed_tokens(inputs.to(self.device))
@@ -249,6 +262,8 @@ class LayerRange(nn.Module):
             }
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for i, (layer, lt) in enumerate(zip(self.layers, self.layer_types)):
+            if not first <= self._layer_block[i] < end:
+                continue
             if loading:
                 self._need(self._layer_block[i])
             # transformers 5.x decoder layers return the hidden states tensor (not a tuple).
@@ -260,7 +275,7 @@ class LayerRange(nn.Module):
                 use_cache=True,
                 position_embeddings=position_embeddings,
             )
-        if not self.has_head:
+        if not head:
             return hidden
         if loading:
             self._need(self.block_end - 1)
