@@ -198,6 +198,7 @@ class Engine:
         self._front: Front | None = None
         self._splitter: Callable[[list[str]], int] | None = None
         self._split_of: dict[str, int] = {}  # choice key -> blocks its prefill runs on the front (0: none)
+        self.pair_error: str | None = None  # why the last pair ended on a failure of its target
 
     @property
     def model(self) -> LayerRange:
@@ -552,7 +553,7 @@ class Engine:
             raise ValueError("a live pair's source serves the whole model in one local stage")
         if self._front is not None:
             raise ValueError("this engine is already in a live pair")
-        self._front, self._splitter = front, splitter
+        self._front, self._splitter, self.pair_error = front, splitter, None
 
     def unpair(self) -> None:
         """The pair ends (dissolved, or the target is gone): every pass runs here from now. A
@@ -573,6 +574,18 @@ class Engine:
         runs blocks [0, k) on the front, which hands back the hidden state and their KV, and
         [k, n) here over that KV."""
         stage = self.stages[0]
+        try:
+            return self._forward_split_pass(stage, p)
+        except (ConnectionError, TimeoutError, RuntimeError) as e:
+            # The target failed or is gone: the pass runs here. Every chunk already split left its
+            # front KV here, so the source's cache is whole up to this pass (nothing half-written:
+            # forward_rest writes only after the front answered).
+            log.warning("live pair's target failed (%s): the source runs every block from now", e)
+            self.pair_error = str(e)
+            self._front, self._splitter, self._split_of = None, None, {}
+            return self._forward(p.ids, p.inputs, p.q_len)
+
+    def _forward_split_pass(self, stage: LocalStage, p: _Pass) -> torch.Tensor:
         # Only a prefill from an empty cache splits (the front's KV would miss earlier positions).
         new = [r.key for r in p.requests if r.key not in self._split_of and stage.length(r.key) == 0]
         if new:
@@ -580,17 +593,21 @@ class Engine:
             if not 0 <= blocks < self.index.n_blocks:
                 raise ValueError(f"a live pair splits inside the model: 0 <= k < {self.index.n_blocks}, got {blocks}")
             for key in new:
+                self._split_of[key] = 0
                 if blocks:
                     self._front.open(key)
-                self._split_of[key] = blocks
+                    self._split_of[key] = blocks
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(p.requests):
             groups.setdefault(self._split_of.get(r.key, 0), []).append(i)
+        # Every front first: a target that fails leaves the source's cache untouched by this pass.
+        fronts = {blocks: self._front.forward([p.ids[i] for i in rows], p.inputs[rows], p.q_len, blocks)
+                  for blocks, rows in groups.items() if blocks}
         out: torch.Tensor | None = None
         for blocks, rows in groups.items():
             ids, x = [p.ids[i] for i in rows], p.inputs[rows]
             if blocks:
-                hidden, kv = self._front.forward(ids, x, p.q_len, blocks)
+                hidden, kv = fronts[blocks]
                 logits = stage.forward_rest(ids, hidden, p.q_len, kv, blocks, logits_to_keep=1)
             else:
                 logits = stage.forward(ids, x, p.q_len, logits_to_keep=1)

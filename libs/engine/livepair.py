@@ -36,6 +36,10 @@ class Front(Protocol):
     def forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, blocks: int
                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def held(self) -> int:
+        """Blocks 0..k-1 the target holds now (what a batch may run there)."""
+        ...
+
 
 def front_layers(model_or_index, blocks: int) -> int:
     """Layers in blocks [0, blocks) of the model."""
@@ -58,10 +62,14 @@ class PrefillFront:
         self.kv = SlotKVCache(model.config, model.layer_start, front_layers(model, self.max_blocks), slots,
                               max_seq_len, model.device, model.dtype)
         self._slot: dict[str, int] = {}
+        self.passes = 0  # forward passes served (how much of the source's prefill came here)
 
     @property
     def slots(self) -> int:
         return self.kv.slots
+
+    def held(self) -> int:
+        return min(self.model.leading_ready_blocks(), self.max_blocks)
 
     def open(self, request_id: str) -> None:
         if request_id in self._slot:
@@ -87,6 +95,7 @@ class PrefillFront:
         hidden = self.model(inputs, view, blocks=(0, blocks))
         kv = read_kv(self.kv, view.slots, view.starts, front_layers(self.model, blocks), q_len)
         view.commit()
+        self.passes += 1
         return hidden, kv
 
     def front_call(self, header: dict, tensor: torch.Tensor) -> torch.Tensor:
@@ -116,6 +125,9 @@ class RemoteFront:
 
     def abort(self, reason: str) -> None:
         self.stage.abort(reason)
+
+    def held(self) -> int:
+        return int(self.stage.call_op("held"))
 
     def forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, blocks: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -198,6 +198,15 @@ class LayerRange(nn.Module):
         ready = getattr(self._source, "ready", None)
         return ready is not None and all(ready(b) for b in self._unbound)
 
+    def leading_ready_blocks(self) -> int:
+        """Blocks block_start, block_start + 1, ... bound or arrived, up to the first that is not: how
+        far a forward pass runs from the start without waiting."""
+        ready = getattr(self._source, "ready", None)
+        b = self.block_start
+        while b < self.block_end and (b not in self._unbound or (ready is not None and ready(b))):
+            b += 1
+        return b - self.block_start
+
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
 

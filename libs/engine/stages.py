@@ -217,6 +217,8 @@ class StageServer:
             return None
         if op == "front" and tensor is not None and hasattr(stage, "front_call"):  # a live pair's target
             return stage.front_call(header, tensor)
+        if op == "held" and hasattr(stage, "held"):
+            return torch.tensor([stage.held()])
         if op == "forward" and tensor is not None:
             return stage.forward([str(r) for r in header["request_ids"]], tensor, int(header["q_len"]),
                                  int(header.get("logits_to_keep", 0)))
@@ -286,6 +288,10 @@ class RemoteStage:
     def forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, logits_to_keep: int = 0
                 ) -> torch.Tensor:
         return self.submit(request_ids, inputs, q_len, logits_to_keep).result(self.timeout_s)
+
+    def call_op(self, op: str) -> torch.Tensor | None:
+        """A call of the hosted stage's own (e.g. a live pair's front: "held")."""
+        return self._call({"op": op})
 
     def front(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, blocks: int) -> torch.Tensor:
         """A live pair's front call (a PrefillFront hosted there): hidden state and KV, flattened."""

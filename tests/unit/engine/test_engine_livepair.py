@@ -176,3 +176,49 @@ def test_a_front_refuses_a_split_outside_what_it_may_run(block_dir):
         front.forward(["x"], torch.tensor([[1, 2]]), 2, N_BLOCKS)  # the source must keep a block
     with pytest.raises(ValueError):
         front.forward(["x"], torch.tensor([[1, 2]]), 2, 0)
+
+
+class _Failing(_Counted):
+    """A target that dies after `ok` passes (its worker gone, its link cut)."""
+
+    def __init__(self, *a, ok: int, **kw):
+        super().__init__(*a, **kw)
+        self.ok = ok
+
+    def forward(self, request_ids, inputs, q_len, blocks):
+        if len(self.calls) >= self.ok:
+            raise ConnectionError("stage front on w-target: connection reset")
+        return super().forward(request_ids, inputs, q_len, blocks)
+
+
+def test_a_target_that_fails_mid_prefill_leaves_the_source_serving_alone_with_the_same_tokens(block_dir, alone):
+    index, own = load_all(block_dir)
+    front = _Failing(LayerRange(index, own, device="cpu"), slots=8, max_seq_len=64, ok=2)
+    engine = source(block_dir)
+    engine.pair_with(front, lambda keys: 1)
+    assert staggered(engine) == alone
+    assert len(front.calls) == 2 and not engine.paired and "connection reset" in engine.pair_error
+
+
+def test_a_remote_front_over_the_data_plane_gives_the_same_tokens(block_dir, alone):
+    from libs.engine import RemoteStage, StageServer
+    from libs.engine.livepair import RemoteFront
+    from libs.engine.kv import _kv_heads_and_dim
+    from libs.transfer.tcp.transport import TcpTransport
+
+    front = target_front(block_dir)
+    with TcpTransport("w-source") as src_t, TcpTransport("w-target") as tgt_t:
+        server = StageServer(tgt_t, {"w-source": src_t.address})
+        try:
+            server.add("i-target/front", front)
+            index = front.model.index
+            kv_heads, head_dim = _kv_heads_and_dim(front.model.config)
+            remote = RemoteFront(RemoteStage(src_t, "w-target", tgt_t.address, "i-target/front", slots=8),
+                                 index, int(index.config["hidden_size"]), kv_heads, head_dim)
+            assert remote.held() == N_BLOCKS - 1  # every block there, the source keeps one
+            engine = source(block_dir)
+            engine.pair_with(remote, lambda keys: 2)
+            assert staggered(engine) == alone
+            assert front.passes >= len(PROMPTS) and front.kv.free_slots == front.kv.slots
+        finally:
+            server.close()
