@@ -21,8 +21,8 @@ from typing import Protocol
 
 import torch
 
-from .kv import SlotKVCache
-from .model import LayerRange
+from .kv import SlotKVCache, _kv_heads_and_dim
+from .model import LayerRange, hf_config
 from .stages import RemoteStage, read_kv
 
 
@@ -109,9 +109,10 @@ class RemoteFront:
     """A target's PrefillFront hosted by its StageServer (a stage id of its own), called over the
     data plane; the reply is the hidden state and the KV in one tensor, cut apart here."""
 
-    def __init__(self, stage: RemoteStage, index, hidden_size: int, kv_heads: int, head_dim: int):
+    def __init__(self, stage: RemoteStage, index):
         self.stage, self.index = stage, index
-        self.hidden_size, self.kv_heads, self.head_dim = hidden_size, kv_heads, head_dim
+        self.hidden_size = int(index.config["hidden_size"])
+        self.kv_heads, self.head_dim = _kv_heads_and_dim(hf_config(index))
 
     @property
     def slots(self) -> int:

@@ -203,7 +203,6 @@ def test_a_target_that_fails_mid_prefill_leaves_the_source_serving_alone_with_th
 def test_a_remote_front_over_the_data_plane_gives_the_same_tokens(block_dir, alone):
     from libs.engine import RemoteStage, StageServer
     from libs.engine.livepair import RemoteFront
-    from libs.engine.kv import _kv_heads_and_dim
     from libs.transfer.tcp.transport import TcpTransport
 
     front = target_front(block_dir)
@@ -211,10 +210,8 @@ def test_a_remote_front_over_the_data_plane_gives_the_same_tokens(block_dir, alo
         server = StageServer(tgt_t, {"w-source": src_t.address})
         try:
             server.add("i-target/front", front)
-            index = front.model.index
-            kv_heads, head_dim = _kv_heads_and_dim(front.model.config)
             remote = RemoteFront(RemoteStage(src_t, "w-target", tgt_t.address, "i-target/front", slots=8),
-                                 index, int(index.config["hidden_size"]), kv_heads, head_dim)
+                                 front.model.index)
             assert remote.held() == N_BLOCKS - 1  # every block there, the source keeps one
             engine = source(block_dir)
             engine.pair_with(remote, lambda keys: 2)
