@@ -199,6 +199,7 @@ class Engine:
         self._splitter: Callable[[list[str]], int] | None = None
         self._split_of: dict[str, int] = {}  # choice key -> blocks its prefill runs on the front (0: none)
         self.pair_error: str | None = None  # why the last pair ended on a failure of its target
+        self._on_lost: Callable[[str], None] | None = None
 
     @property
     def model(self) -> LayerRange:
@@ -545,15 +546,18 @@ class Engine:
 
     # -- live pair (BlitzScale §5.2) -----------------------------------------------------------------
 
-    def pair_with(self, front: Front, splitter: Callable[[list[str]], int]) -> None:
+    def pair_with(self, front: Front, splitter: Callable[[list[str]], int],
+                  on_lost: Callable[[str], None] | None = None) -> None:
         """Offload the first blocks of prefills to a loading target's `front` (see livepair.py).
         `splitter(keys)` gives, once per batch of requests starting their prefill, how many
-        blocks that batch runs there (0: here); a request keeps its split for all its chunks."""
+        blocks that batch runs there (0: here); a request keeps its split for all its chunks.
+        `on_lost(error)`: called (on the stepping thread) when the target fails and the engine
+        goes on alone."""
         if len(self.stages) != 1 or not isinstance(self.stages[0], LocalStage):
             raise ValueError("a live pair's source serves the whole model in one local stage")
         if self._front is not None:
             raise ValueError("this engine is already in a live pair")
-        self._front, self._splitter, self.pair_error = front, splitter, None
+        self._front, self._splitter, self.pair_error, self._on_lost = front, splitter, None, on_lost
 
     def unpair(self) -> None:
         """The pair ends (dissolved, or the target is gone): every pass runs here from now. A
@@ -583,6 +587,8 @@ class Engine:
             log.warning("live pair's target failed (%s): the source runs every block from now", e)
             self.pair_error = str(e)
             self._front, self._splitter, self._split_of = None, None, {}
+            if self._on_lost is not None:
+                self._on_lost(str(e))
             return self._forward(p.ids, p.inputs, p.q_len)
 
     def _forward_split_pass(self, stage: LocalStage, p: _Pass) -> torch.Tensor:

@@ -24,6 +24,7 @@ still loading the same model (the target) pair on the planner's word::
     loading ──PairFormed(target)──▶ pair_target ──every block in, engine built──▶ serving (the pair dissolves)
                                         └──PairEnded──▶ loading
     pair_source ──UnloadAsked──▶ draining;  pair_target ──UnloadAsked──▶ cancelling, ──LoadFailed──▶ failed
+    pair_source / pair_target ──PairLost (the other side failing)──▶ serving / loading
 
 The source serves as before and offloads the first layers of some prefills to the target
 (the split per batch: ZigZag); the target runs them on the blocks it already holds and
@@ -54,7 +55,7 @@ from enum import StrEnum
 from typing import Literal
 
 __all__ = [
-    "Answer", "AnnounceBlock", "EndPair", "PairEnded", "PairFormed", "StartPair", "Attach", "BlockInEngine", "BlockInHost", "CancelRead", "Detach",
+    "Answer", "AnnounceBlock", "EndPair", "PairEnded", "PairFormed", "PairLost", "StartPair", "Attach", "BlockInEngine", "BlockInHost", "CancelRead", "Detach",
     "DiskNeeded", "DiskReadDone", "DiskReadStarted", "Drain", "Drained", "Effect", "EndLoad", "EngineBuilt",
     "Event", "EvictFromEngine", "Lifecycle", "LoadAsked", "LoadFailed", "LoadFinished", "Phase", "Pin",
     "PipelineStarted", "ReadFromDisk", "ReannounceLoaded", "Refuse", "ReleasePins", "ReportLoaded",
@@ -251,9 +252,17 @@ class PairEnded:
     reason: str
 
 
+@dataclass(frozen=True)
+class PairLost:
+    """This side found its pair's other side failing (a call to it failed or timed out): it goes
+    on alone and tells the other side, should it still be there."""
+
+    error: str
+
+
 Event = (LoadAsked | PipelineStarted | BlockInHost | DiskNeeded | DiskReadStarted | DiskReadDone | BlockInEngine
          | EngineBuilt | LoadFinished | LoadFailed | UnloadAsked | Drained | StagePeerLost | RequestAdmitted
-         | RequestEnded | PairFormed | PairEnded)
+         | RequestEnded | PairFormed | PairEnded | PairLost)
 
 
 # --- effects: what the worker must do ---------------------------------------------------------------
@@ -569,6 +578,14 @@ def _pair_ended(s: Lifecycle, ev: PairEnded) -> tuple[Lifecycle, list[Effect]]:
     return s, []  # not paired (any more): the notice crossed this side's own end
 
 
+def _pair_lost(s: Lifecycle, ev: PairLost) -> tuple[Lifecycle, list[Effect]]:
+    if s.phase not in PAIRED_PHASES:
+        return s, []
+    s, effects = _unpair(s, f"the pair's other side failed: {ev.error}")
+    s, more = _maybe_serve(s)  # a target goes on as a plain load (it may serve early now)
+    return s, effects + more
+
+
 def _drained(s: Lifecycle, ev: Drained) -> tuple[Lifecycle, list[Effect]]:
     if s.phase is not Phase.draining:
         return s, []
@@ -620,5 +637,5 @@ _HANDLERS = {
     BlockInEngine: _block_in_engine, EngineBuilt: _engine_built, LoadFinished: _load_finished,
     LoadFailed: _load_failed, UnloadAsked: _unload_asked, Drained: _drained, StagePeerLost: _stage_peer_lost,
     RequestAdmitted: _request_admitted, RequestEnded: _request_ended, PairFormed: _pair_formed,
-    PairEnded: _pair_ended,
+    PairEnded: _pair_ended, PairLost: _pair_lost,
 }

@@ -131,12 +131,16 @@ class LivePairs:
             return splitter(keys)
 
         runtime = self.engine_thread()
+        loop = asyncio.get_running_loop()
+
+        def lost(error: str) -> None:  # engine thread: the target failed, the engine went on alone
+            loop.call_soon_threadsafe(lambda: self.loading.spawn(self.loading.feed(iid, lifecycle.PairLost(error))))
 
         def pair() -> None:
             engine = runtime.engine_of(iid)
             if engine is None:
                 raise RuntimeError(f"instance {iid} has no engine here")
-            engine.pair_with(remote, split)
+            engine.pair_with(remote, split, on_lost=lost)
 
         await runtime.call(pair)
         self.splitters[iid] = splitter

@@ -112,3 +112,62 @@ async def test_a_live_pair_serves_the_instances_tokens_and_dissolves_at_the_load
         for w in (src, tgt):
             await w.stop()
         await reg.stop()
+
+
+async def test_a_pair_whose_loader_dies_leaves_the_source_serving_alone_with_the_same_tokens(
+        database_url, nats_url, client, tiny_checkpoint):  # noqa: F811
+    """The loader's worker goes away mid-pair (no unload, no notice): the source's next split
+    call fails, the pass runs there, its lifecycle learns it (PairLost) and it serves alone."""
+    index = CheckpointIndex.load(tiny_checkpoint)
+    total = sum(index.block(b).nbytes for b in range(index.n_blocks))
+    expected = await asyncio.to_thread(alone, tiny_checkpoint)
+    seen: list[m.InstanceEvent] = []
+    sub = await collect(client, subjects.EVENT_INSTANCE, m.InstanceEvent, seen)
+    tokens: dict[str, list[m.TokenEvent]] = {}
+    token_subs = []
+    reg = await started(database_url, nats_url)
+    src = WorkerService(WorkerConfig(worker_id="w-src2", kv_cache_bytes=8 << 20), nats_url)
+    tgt = WorkerService(WorkerConfig(worker_id="w-tgt2", kv_cache_bytes=8 << 20,
+                                     emulated_host_to_device_mbit=total * 8 / 1e6 / LOAD_S), nats_url)
+    for w in (src, tgt):
+        await w.start()
+    stopped = False
+    try:
+        load = m.LoadModel(instance_id="i-src2", model="demo", path=str(tiny_checkpoint), block_start=0,
+                           block_end=index.n_blocks)
+        assert (await call(client, subjects.worker_command("w-src2"), load, m.CommandAck)).accepted
+        await until(lambda: any(ev.instance.loaded_at for ev in of_instance(seen, "i-src2")), 30)
+        load = m.LoadModel(instance_id="i-tgt2", model="demo", path=str(tiny_checkpoint), block_start=0,
+                           block_end=index.n_blocks, serve_while_loading=False)
+        assert (await call(client, subjects.worker_command("w-tgt2"), load, m.CommandAck)).accepted
+        form = m.FormLivePair(model="demo", path=str(tiny_checkpoint), source_instance="i-src2",
+                              source_worker="w-src2", target_instance="i-tgt2", target_worker="w-tgt2",
+                              peers={w.config.worker_id: w.transport.address for w in (src, tgt)})
+        for worker in ("w-tgt2", "w-src2"):
+            assert (await call(client, subjects.worker_command(worker), form, m.CommandAck)).accepted
+        await tgt.stop()  # gone without a word
+        stopped = True
+        gateway = NatsWorkerClient(client, gateway_id="gw-pair2")
+        for i, p in enumerate(PROMPTS):
+            rid = f"d{i}"
+            token_subs.append(await collect(client, subjects.tokens("gw-pair2", rid), m.TokenEvent,
+                                            tokens.setdefault(rid, [])))
+            await gateway.generate("w-src2", m.GenerateRequest(
+                request_id=rid, instance_id="i-src2", model="demo", prompt_ids=p,
+                sampling=m.SamplingSpec(temperature=0, max_tokens=MAX_TOKENS),
+                reply_subject=gateway.reply_subject(rid)), timeout_s=5.0)
+        await until(lambda: all(any(t.finished for t in tokens[f"d{i}"]) for i in range(len(PROMPTS))), 60)
+        got = [[t.token_id for t in tokens[f"d{i}"] if t.token_id is not None] for i in range(len(PROMPTS))]
+        assert got == expected
+        assert all(t.error is None for ts in tokens.values() for t in ts)
+        await until(lambda: src.loading.lifecycles["i-src2"].phase is Phase.serving, 10)
+        assert src.loading.lifecycles["i-src2"].phase is Phase.serving and not src.livepairs.splitters
+        engine = src.runtime.engine_of("i-src2")  # (read after its steps: nothing runs on it now)
+        assert not engine.paired and engine.pair_error  # the failed call, not an EndLivePair, ended it
+    finally:
+        await sub.stop()
+        for s in token_subs:
+            await s.stop()
+        for w in (src,) if stopped else (src, tgt):
+            await w.stop()
+        await reg.stop()

@@ -195,9 +195,11 @@ def test_a_target_that_fails_mid_prefill_leaves_the_source_serving_alone_with_th
     index, own = load_all(block_dir)
     front = _Failing(LayerRange(index, own, device="cpu"), slots=8, max_seq_len=64, ok=2)
     engine = source(block_dir)
-    engine.pair_with(front, lambda keys: 1)
+    lost: list[str] = []
+    engine.pair_with(front, lambda keys: 1, on_lost=lost.append)
     assert staggered(engine) == alone
     assert len(front.calls) == 2 and not engine.paired and "connection reset" in engine.pair_error
+    assert lost == [engine.pair_error]  # said once, for the worker's lifecycle (PairLost)
 
 
 def test_a_remote_front_over_the_data_plane_gives_the_same_tokens(block_dir, alone):

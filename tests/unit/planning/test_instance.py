@@ -36,6 +36,7 @@ from libs.planning.instance import (
     LoadFinished,
     PairEnded,
     PairFormed,
+    PairLost,
     Phase,
     Pin,
     PipelineStarted,
@@ -432,6 +433,15 @@ def test_a_pair_formed_again_is_answered_without_a_second_start():
     assert again == s and effects == [Answer(True, "already paired")]
 
 
+def test_a_side_that_finds_its_peer_failing_goes_on_alone_and_tells_it():
+    src, effects = run(serving(), PairFormed("source", "w2/i"), RequestAdmitted("r1"), PairLost("timeout"))
+    assert src.phase is Phase.serving and src.requests == {"r1"}
+    assert [(e.peer, e.notify_peer) for e in of(effects, EndPair)] == [("w2/i", True)]
+    tgt, effects = run(loading(serve_early=False), PairFormed("target", "w1/i"), PairLost("reset"))
+    assert tgt.phase is Phase.loading and [(e.peer, e.notify_peer) for e in of(effects, EndPair)] == [("w1/i", True)]
+    assert step(serving(), PairLost("late")) == (serving(), [])
+
+
 def test_a_pair_ended_notice_for_an_unpaired_instance_does_nothing():
     s = serving()
     assert step(s, PairEnded("late")) == (s, [])
@@ -598,6 +608,10 @@ class InstanceLifecycle(RuleBasedStateMachine):
     @rule()
     def pair_ended(self):
         self.feed(PairEnded("the peer ended it"))
+
+    @rule()
+    def pair_lost(self):
+        self.feed(PairLost("the peer timed out"))
 
     @invariant()
     def a_pair_runs_exactly_while_the_instance_is_paired(self):
