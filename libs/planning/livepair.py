@@ -14,9 +14,12 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from libs.protocol import messages as m
+
 from .zigzag import ZigZagQueue
 
-__all__ = ["LivePair", "PrefillSplitter", "Receiving", "Serving", "choose_live_pairs", "leading_blocks"]
+__all__ = ["LivePair", "PrefillSplitter", "Receiving", "Serving", "choose_live_pairs", "form_live_pair",
+           "leading_blocks"]
 
 
 def leading_blocks(in_engine: Iterable[int]) -> int:
@@ -118,3 +121,14 @@ def choose_live_pairs(serving: Sequence[Serving], receiving: Sequence[Receiving]
         free.remove(target)
         pairs.append(LivePair(src, target))
     return pairs
+
+
+def form_live_pair(pair: LivePair, path: str, addresses: dict[str, str], max_target_blocks: int | None = None,
+                   scale_op_id: str | None = None) -> m.FormLivePair:
+    """The command both workers of `pair` get (the target's first, then the source's);
+    `addresses`: worker -> data-plane address (WorkerInfo.data_address)."""
+    src, tgt = pair.source, pair.target
+    return m.FormLivePair(model=src.model, path=path, source_instance=src.instance_id, source_worker=src.worker_id,
+                          target_instance=tgt.instance_id, target_worker=tgt.worker_id,
+                          peers={w: addresses[w] for w in (src.worker_id, tgt.worker_id)},
+                          max_target_blocks=max_target_blocks, scale_op_id=scale_op_id)

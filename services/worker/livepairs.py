@@ -112,7 +112,7 @@ class LivePairs:
                                 c.max_seq_len, max_blocks=min(cap, index.n_blocks - 1))
 
         front = await asyncio.to_thread(build)
-        server = self.pipelines._server()
+        server = self.pipelines.stage_server()
         server.peers[op.source_worker] = op.peers[op.source_worker]
         server.add(front_id(iid), front)
         self.fronts[iid] = front

@@ -10,8 +10,10 @@ from libs.planning.livepair import (
     Receiving,
     Serving,
     choose_live_pairs,
+    form_live_pair,
     leading_blocks,
 )
+from libs.protocol import messages as m
 
 
 def test_leading_blocks_counts_only_the_unbroken_prefix():
@@ -97,3 +99,15 @@ def test_pairs_are_disjoint_of_one_model_and_only_where_needed(sources, targets)
         if s.overloaded and not s.paired and s.instance_id not in {p.source.instance_id for p in pairs}:
             assert not [r for r in receiving if r.instance_id not in taken and not r.paired and r.model == s.model
                         and r.load_left_s > s.slo_s]
+
+
+def test_a_pair_becomes_the_command_both_workers_get():
+    (pair,) = choose_live_pairs([src(1, 9.0)], [tgt(1, 50.0)])
+    cmd = form_live_pair(pair, "/ckpt", {"ws1": "a:1", "wt1": "b:2", "other": "c:3"}, max_target_blocks=2)
+    assert (cmd.source_instance, cmd.source_worker, cmd.target_instance, cmd.target_worker) == ("s1", "ws1", "t1", "wt1")
+    assert cmd.peers == {"ws1": "a:1", "wt1": "b:2"} and cmd.max_target_blocks == 2 and cmd.model == "m"
+    # It goes on the worker command subject as any command.
+    assert isinstance(m.WorkerCommand.model_validate(cmd.model_dump()).root, m.FormLivePair)
+    with pytest.raises(ValueError):
+        m.FormLivePair(model="m", path="/p", source_instance="a", source_worker="w", target_instance="b",
+                       target_worker="w", peers={"w": "a:1"})
