@@ -36,7 +36,7 @@ import logging
 import operator
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -47,6 +47,7 @@ from libs.checkpoint import CheckpointIndex, load_block
 
 from .grammar import Constraint, grammar_tokenizer
 from .kv import kv_bytes_per_slot
+from .livepair import Front
 from .model import BlockSource, LayerRange
 from .sampling import SamplingSpec, make_generator, sample_token, token_logprobs
 from .stages import LocalStage, Stage
@@ -125,6 +126,7 @@ class _Pass:
     inputs: torch.Tensor
     q_len: int
     sample: tuple[bool, ...]  # per row: its last position gives the request's next token
+    prefill: bool = False
 
     @property
     def ids(self) -> list[str]:
@@ -192,6 +194,12 @@ class Engine:
         self._queue: OrderedDict[str, list[_Request]] = OrderedDict()
         self._active: OrderedDict[str, _Request] = OrderedDict()  # choice key -> choice holding KV slots
         self.last_step: StepShape | None = None
+        # A live pair (BlitzScale §5.2, pair_with): the target's front and the per-batch split.
+        self._front: Front | None = None
+        self._splitter: Callable[[list[str]], int] | None = None
+        self._split_of: dict[str, int] = {}  # choice key -> blocks its prefill runs on the front (0: none)
+        self.pair_error: str | None = None  # why the last pair ended on a failure of its target
+        self._on_lost: Callable[[str], None] | None = None
 
     @property
     def model(self) -> LayerRange:
@@ -484,7 +492,7 @@ class Engine:
                 # A fresh prompt, once in, gives the first token at its last position. (A resumed
                 # request's last token is still to be fed: it decodes on the next step.)
                 passes.append(_Pass(group, torch.tensor(chunks, device=self.device), n,
-                                    sample=tuple(not r.pending and not r.output_ids for r in group)))
+                                    sample=tuple(not r.pending and not r.output_ids for r in group), prefill=True))
             waiting = [r for r in waiting if r.pending and r not in rows]  # one chunk a request a step
         return passes
 
@@ -499,6 +507,8 @@ class Engine:
         """Every pass through every stage; with stages elsewhere, passes overlap: each is sent
         on to a remote stage as soon as it leaves the one before (stage servers queue calls
         in order), and local stages compute while remote ones do."""
+        if self._front is not None:  # a live pair's source: one local stage
+            return [self._forward_split(p) if p.prefill else self._forward(p.ids, p.inputs, p.q_len) for p in passes]
         if self.micro_batches == 1 or len(passes) < 2:
             return [self._forward(p.ids, p.inputs, p.q_len) for p in passes]
         last = len(self.stages) - 1
@@ -534,6 +544,98 @@ class Engine:
                 finished += advanced(waiting.pop(future), future.result())
         return x
 
+    # -- live pair (BlitzScale §5.2) -----------------------------------------------------------------
+
+    def pair_with(self, front: Front, splitter: Callable[[list[str]], int],
+                  on_lost: Callable[[str], None] | None = None) -> None:
+        """Offload the first blocks of prefills to a loading target's `front` (see livepair.py).
+        `splitter(keys)` gives, once per batch of requests starting their prefill, how many
+        blocks that batch runs there (0: here); a request keeps its split for all its chunks.
+        `on_lost(error)`: called (on the stepping thread) when the target fails and the engine
+        goes on alone."""
+        if len(self.stages) != 1 or not isinstance(self.stages[0], LocalStage):
+            raise ValueError("a live pair's source serves the whole model in one local stage")
+        if self._front is not None:
+            raise ValueError("this engine is already in a live pair")
+        self._front, self._splitter, self.pair_error, self._on_lost = front, splitter, None, on_lost
+
+    def unpair(self) -> None:
+        """The pair ends (dissolved, or the target is gone): every pass runs here from now. A
+        prefill split so far keeps its KV (each chunk's front KV is already here); its next
+        chunks run every block here."""
+        front, self._front, self._splitter = self._front, None, None
+        split, self._split_of = self._split_of, {}
+        for key, blocks in split.items():
+            if blocks and front is not None:
+                self._close_front(front, key)
+
+    @property
+    def paired(self) -> bool:
+        return self._front is not None
+
+    def _forward_split(self, p: _Pass) -> torch.Tensor:
+        """A prefill pass of a live pair's source: rows grouped by their split; a group with k > 0
+        runs blocks [0, k) on the front, which hands back the hidden state and their KV, and
+        [k, n) here over that KV."""
+        stage = self.stages[0]
+        try:
+            return self._forward_split_pass(stage, p)
+        except (ConnectionError, TimeoutError, RuntimeError) as e:
+            # The target failed or is gone: the pass runs here. Every chunk already split left its
+            # front KV here, so the source's cache is whole up to this pass (nothing half-written:
+            # forward_rest writes only after the front answered).
+            log.warning("live pair's target failed (%s): the source runs every block from now", e)
+            self.pair_error = str(e)
+            self._front, self._splitter, self._split_of = None, None, {}
+            if self._on_lost is not None:
+                self._on_lost(str(e))
+            return self._forward(p.ids, p.inputs, p.q_len)
+
+    def _forward_split_pass(self, stage: LocalStage, p: _Pass) -> torch.Tensor:
+        # Only a prefill from an empty cache splits (the front's KV would miss earlier positions).
+        new = [r.key for r in p.requests if r.key not in self._split_of and stage.length(r.key) == 0]
+        if new:
+            blocks = self._splitter(new)
+            if not 0 <= blocks < self.index.n_blocks:
+                raise ValueError(f"a live pair splits inside the model: 0 <= k < {self.index.n_blocks}, got {blocks}")
+            for key in new:
+                self._split_of[key] = 0
+                if blocks:
+                    self._front.open(key)
+                    self._split_of[key] = blocks
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(p.requests):
+            groups.setdefault(self._split_of.get(r.key, 0), []).append(i)
+        # Every front first: a target that fails leaves the source's cache untouched by this pass.
+        fronts = {blocks: self._front.forward([p.ids[i] for i in rows], p.inputs[rows], p.q_len, blocks)
+                  for blocks, rows in groups.items() if blocks}
+        out: torch.Tensor | None = None
+        for blocks, rows in groups.items():
+            ids, x = [p.ids[i] for i in rows], p.inputs[rows]
+            if blocks:
+                hidden, kv = fronts[blocks]
+                logits = stage.forward_rest(ids, hidden, p.q_len, kv, blocks, logits_to_keep=1)
+            else:
+                logits = stage.forward(ids, x, p.q_len, logits_to_keep=1)
+            if len(groups) == 1:
+                out = logits
+                break
+            if out is None:
+                out = logits.new_empty((len(p.requests), *logits.shape[1:]))
+            out[rows] = logits
+        for r in p.requests:
+            if not r.pending and self._split_of.get(r.key) is not None:  # its prefill is in: the front forgets it
+                if self._split_of.pop(r.key):
+                    self._close_front(self._front, r.key)
+        return out
+
+    @staticmethod
+    def _close_front(front: Front, key: str) -> None:
+        try:
+            front.close(key)
+        except Exception as e:  # a target that is gone has nothing left to free
+            log.warning("closing %s on a live pair's front failed: %s", key, e)
+
     def _advance(self, req: _Request, logits: torch.Tensor) -> TokenOutput:
         allowed = req.constraint.allowed() if req.constraint is not None else None
         token = sample_token(logits, req.params, req.generator, req.prompt_ids, req.output_ids, allowed)
@@ -555,6 +657,8 @@ class Engine:
                            logprob, top, req.choice)
 
     def _close(self, req: _Request) -> None:
+        if self._split_of.pop(req.key, 0) and self._front is not None:  # cancelled mid split prefill
+            self._close_front(self._front, req.key)
         if req.started:
             req.started = False
             for stage in self.stages:

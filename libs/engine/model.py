@@ -198,6 +198,15 @@ class LayerRange(nn.Module):
         ready = getattr(self._source, "ready", None)
         return ready is not None and all(ready(b) for b in self._unbound)
 
+    def leading_ready_blocks(self) -> int:
+        """Blocks block_start, block_start + 1, ... bound or arrived, up to the first that is not: how
+        far a forward pass runs from the start without waiting."""
+        ready = getattr(self._source, "ready", None)
+        b = self.block_start
+        while b < self.block_end and (b not in self._unbound or (ready is not None and ready(b))):
+            b += 1
+        return b - self.block_start
+
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
 
@@ -217,12 +226,25 @@ class LayerRange(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        blocks: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """Run the range; `logits_to_keep=k > 0` computes the head for the last k positions only."""
+        """Run the range; `logits_to_keep=k > 0` computes the head for the last k positions only.
+
+        `blocks=(a, b)`: only blocks [a, b) of the range (a live pair's split prefill, BlitzScale
+        §5.2: the loading side runs the first blocks, the serving side the rest on the hidden
+        state; the engine's slot cache only). Blocks outside them are neither run nor waited for.
+        """
+        first, end = (self.block_start, self.block_end) if blocks is None else blocks
+        if not self.block_start <= first < end <= self.block_end:
+            raise ValueError(f"blocks [{first}, {end}) are not inside [{self.block_start}, {self.block_end})")
+        if (first, end) != (self.block_start, self.block_end) and not isinstance(cache, BatchView):
+            raise ValueError("a part of the range runs over the engine's slot cache only")
+        embed = self.has_embedding and first == self.block_start
+        head = self.has_head and end == self.block_end
         loading = bool(self._unbound)
         if loading:
-            self._need(self.block_start)
-        if self.has_embedding:
+            self._need(first)
+        if embed:
             if inputs.dtype not in (torch.int32, torch.int64):
                 raise TypeError("a range that starts at block 0 takes token ids")
             hidden = self.embed_tokens(inputs.to(self.device))
@@ -249,6 +271,8 @@ class LayerRange(nn.Module):
             }
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for i, (layer, lt) in enumerate(zip(self.layers, self.layer_types)):
+            if not first <= self._layer_block[i] < end:
+                continue
             if loading:
                 self._need(self._layer_block[i])
             # transformers 5.x decoder layers return the hidden states tensor (not a tuple).
@@ -260,7 +284,7 @@ class LayerRange(nn.Module):
                 use_cache=True,
                 position_embeddings=position_embeddings,
             )
-        if not self.has_head:
+        if not head:
             return hidden
         if loading:
             self._need(self.block_end - 1)

@@ -90,6 +90,43 @@ class LocalStage:
         view.commit()
         return out
 
+    def length(self, request_id: str) -> int:
+        """Tokens of the request in this stage's KV cache."""
+        return self.kv.lengths[self._slot[request_id]]
+
+    def forward_rest(self, request_ids: list[str], hidden: torch.Tensor, q_len: int, front_kv: torch.Tensor,
+                     from_block: int, logits_to_keep: int = 0) -> torch.Tensor:
+        """The blocks [from_block, end) of a pass whose first blocks ran elsewhere (a live pair's
+        split prefill): `front_kv` ([2, layers, rows, kv heads, q_len, head dim], what
+        `PrefillFront.forward` returns) goes into this cache's first layers at each row's
+        position, so the request's KV here is complete and it decodes alone."""
+        view = self.kv.batch([self._slot[r] for r in request_ids], q_len)
+        write_kv(self.kv, view.slots, view.starts, front_kv)
+        out = self.model(hidden, view, logits_to_keep=logits_to_keep, blocks=(from_block, self.model.block_end))
+        view.commit()
+        return out
+
+
+def read_kv(cache, slots: list[int], starts: list[int], layers: int, q_len: int) -> torch.Tensor:
+    """The KV of the first `layers` layers of `cache` at positions [start, start + q_len) of each
+    slot: [2, layers, rows, kv heads, q_len, head dim]."""
+    return torch.stack([
+        torch.stack([torch.stack([pool[i][s, :, a:a + q_len] for s, a in zip(slots, starts)]) for i in range(layers)])
+        for pool in (cache.keys, cache.values)])
+
+
+def write_kv(cache, slots: list[int], starts: list[int], kv: torch.Tensor) -> None:
+    """`read_kv`'s tensor into the first layers of `cache`, at each slot's position."""
+    _, layers, rows, _, q_len, _ = kv.shape
+    if rows != len(slots) or layers > len(cache.keys):
+        raise ValueError(f"KV of {layers} layers x {rows} rows does not fit {len(slots)} rows of "
+                         f"{len(cache.keys)} layers")
+    kv = kv.to(cache.device, cache.keys[0].dtype)
+    for pool, part in zip((cache.keys, cache.values), kv):
+        for i in range(layers):
+            for r, (s, a) in enumerate(zip(slots, starts)):
+                pool[i][s, :, a:a + q_len] = part[i, r]
+
 
 # --- activations on the wire ----------------------------------------------------------------------
 
@@ -129,13 +166,13 @@ class StageServer:
     def __init__(self, transport: Transport, peers: dict[str, str]):
         self.transport = transport
         self.peers = peers  # caller node id -> address, for the replies
-        self.stages: dict[str, LocalStage] = {}
+        self.stages: dict[str, LocalStage] = {}  # (or a live pair's PrefillFront: open, close, front)
         self._inbox: queue.Queue = queue.Queue()
         transport.on_message(CALL_CHANNEL, lambda src, payload: self._inbox.put((src, payload)))
         self._thread = threading.Thread(target=self._run, name="stage-server", daemon=True)
         self._thread.start()
 
-    def add(self, stage_id: str, stage: LocalStage) -> None:
+    def add(self, stage_id: str, stage) -> None:
         self.stages[stage_id] = stage
 
     def remove(self, stage_id: str) -> None:
@@ -178,6 +215,10 @@ class StageServer:
         if op == "fork":
             stage.fork(str(header["src"]), str(header["dst"]), int(header["length"]))
             return None
+        if op == "front" and tensor is not None and hasattr(stage, "front_call"):  # a live pair's target
+            return stage.front_call(header, tensor)
+        if op == "held" and hasattr(stage, "held"):
+            return torch.tensor([stage.held()])
         if op == "forward" and tensor is not None:
             return stage.forward([str(r) for r in header["request_ids"]], tensor, int(header["q_len"]),
                                  int(header.get("logits_to_keep", 0)))
@@ -247,6 +288,14 @@ class RemoteStage:
     def forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, logits_to_keep: int = 0
                 ) -> torch.Tensor:
         return self.submit(request_ids, inputs, q_len, logits_to_keep).result(self.timeout_s)
+
+    def call_op(self, op: str) -> torch.Tensor | None:
+        """A call of the hosted stage's own (e.g. a live pair's front: "held")."""
+        return self._call({"op": op})
+
+    def front(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, blocks: int) -> torch.Tensor:
+        """A live pair's front call (a PrefillFront hosted there): hidden state and KV, flattened."""
+        return self._call({"op": "front", "request_ids": request_ids, "q_len": q_len, "blocks": blocks}, inputs)
 
     def submit(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, logits_to_keep: int = 0
                ) -> concurrent.futures.Future:

@@ -17,6 +17,22 @@ Phases (``Phase``)::
     serving / serving_while_loading ──UnloadAsked / StagePeerLost──▶ draining ──Drained──▶ stopped / failed
     loading / serving_while_loading / serving ──LoadFailed──▶ failed
 
+Live pairs (BlitzScale §5.2): an overloaded instance (the source, every block in) and an instance
+still loading the same model (the target) pair on the planner's word::
+
+    serving ──PairFormed(source)──▶ pair_source ──PairEnded──▶ serving
+    loading ──PairFormed(target)──▶ pair_target ──every block in, engine built──▶ serving (the pair dissolves)
+                                        └──PairEnded──▶ loading
+    pair_source ──UnloadAsked──▶ draining;  pair_target ──UnloadAsked──▶ cancelling, ──LoadFailed──▶ failed
+    pair_source / pair_target ──PairLost (the other side failing)──▶ serving / loading
+
+The source serves as before and offloads the first layers of some prefills to the target
+(the split per batch: ZigZag); the target runs them on the blocks it already holds and
+hands the hidden state and those layers' KV back, so nothing of a request stays on the
+target. Whichever side ends the pair tells the other (``EndPair(notify_peer=True)``); the
+side told gets ``PairEnded`` and only stops its own part. A target never serves early: it
+attaches once every block is in, right after the pair dissolves (the paper's step 3).
+
 Requests: the lifecycle keeps the ids of the requests running on it. ``RequestAdmitted`` is
 accepted only while it serves (serving, serving_while_loading, a pipeline's entry), refused
 in every other phase (``Refuse(code="unavailable")``); ``RequestEnded`` removes one. A drain
@@ -39,7 +55,7 @@ from enum import StrEnum
 from typing import Literal
 
 __all__ = [
-    "Answer", "AnnounceBlock", "Attach", "BlockInEngine", "BlockInHost", "CancelRead", "Detach",
+    "Answer", "AnnounceBlock", "EndPair", "PairEnded", "PairFormed", "PairLost", "StartPair", "Attach", "BlockInEngine", "BlockInHost", "CancelRead", "Detach",
     "DiskNeeded", "DiskReadDone", "DiskReadStarted", "Drain", "Drained", "Effect", "EndLoad", "EngineBuilt",
     "Event", "EvictFromEngine", "Lifecycle", "LoadAsked", "LoadFailed", "LoadFinished", "Phase", "Pin",
     "PipelineStarted", "ReadFromDisk", "ReannounceLoaded", "Refuse", "ReleasePins", "ReportLoaded",
@@ -56,20 +72,26 @@ class Phase(StrEnum):
     stage = "stage"  # hosts a later stage of another worker's execution pipeline
     cancelling = "cancelling"  # unloaded before it attached: its load ends at its next step
     draining = "draining"  # unloaded while serving: no new requests, running ones finish
+    pair_source = "pair_source"  # serving, and offloading the first layers of prefills to a loading peer
+    pair_target = "pair_target"  # loading, and running the first layers of a serving peer's prefills
     stopped = "stopped"
     failed = "failed"
 
 
-SERVING = frozenset({Phase.serving_while_loading, Phase.serving})
-LOADING = frozenset({Phase.loading, Phase.serving_while_loading})  # the load goes on
+SERVING = frozenset({Phase.serving_while_loading, Phase.serving, Phase.pair_source})
+LOADING = frozenset({Phase.loading, Phase.serving_while_loading, Phase.pair_target})  # the load goes on
 STOPPING = frozenset({Phase.cancelling, Phase.draining})  # an unload was asked, the stop not reported
 ENDED = frozenset({Phase.stopped, Phase.failed})
+PAIRED_PHASES = frozenset({Phase.pair_source, Phase.pair_target})
 
 NOT_HERE = "not here"  # Answer.detail of an unload of an instance this worker does not have
 UNLOADED_WHILE_LOADING = "unloaded by planner while loading"
 LOAD_ENDED_EARLY = "the load ended before every block was in engine memory"
 NOT_SERVING = "not serving"  # Refuse.detail of a request for an instance that takes none
 ADMITTED = "admitted"  # Answer.detail of a request admitted
+PAIRED = "paired"  # Answer.detail of a pair formed
+PAIR_DISSOLVED = "dissolved: the target holds every block"  # EndPair.reason at the target's last block
+NOT_PAIRABLE = "cannot pair"  # Refuse.detail of a PairFormed in a phase that cannot pair
 
 
 @dataclass(frozen=True)
@@ -94,6 +116,7 @@ class Lifecycle:
     switched_to: tuple[str, ...] = ()
     keep_alive_s: float | None = None  # its host blocks' keep-alive after the stop (None: kept)
     requests: frozenset[str] = frozenset()  # requests admitted and not ended (a drain waits for them)
+    pair_peer: str = ""  # the other instance of its live pair (pair_source / pair_target)
 
     @property
     def serving(self) -> bool:
@@ -213,9 +236,33 @@ class RequestEnded:
     request_id: str
 
 
+@dataclass(frozen=True)
+class PairFormed:
+    """The planner paired this instance with `peer` (worker/instance) for a live pair: as its
+    `source` (serving every block, overloaded) or its `target` (loading the same model)."""
+
+    role: Literal["source", "target"]
+    peer: str
+
+
+@dataclass(frozen=True)
+class PairEnded:
+    """The other side ended the pair (the target holds every block, or either side stopped)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class PairLost:
+    """This side found its pair's other side failing (a call to it failed or timed out): it goes
+    on alone and tells the other side, should it still be there."""
+
+    error: str
+
+
 Event = (LoadAsked | PipelineStarted | BlockInHost | DiskNeeded | DiskReadStarted | DiskReadDone | BlockInEngine
          | EngineBuilt | LoadFinished | LoadFailed | UnloadAsked | Drained | StagePeerLost | RequestAdmitted
-         | RequestEnded)
+         | RequestEnded | PairFormed | PairEnded | PairLost)
 
 
 # --- effects: what the worker must do ---------------------------------------------------------------
@@ -328,8 +375,28 @@ class StopHosting:
     """Stop serving the pipeline's stage hosted here."""
 
 
+@dataclass(frozen=True)
+class StartPair:
+    """Start this side of a live pair: the source offloads prefills' first layers to `peer`,
+    the target serves those calls on the blocks it holds."""
+
+    role: Literal["source", "target"]
+    peer: str
+
+
+@dataclass(frozen=True)
+class EndPair:
+    """Stop this side of the pair (the source runs every layer itself again, the target stops
+    taking calls); `notify_peer`: this side ended it, so tell the other."""
+
+    peer: str
+    reason: str
+    notify_peer: bool
+
+
 Effect = (Answer | Refuse | StartLoad | Pin | ReadFromDisk | CancelRead | AnnounceBlock | Attach | ReportLoaded
-          | ReannounceLoaded | EndLoad | Drain | Detach | EvictFromEngine | ReleasePins | ReportStopped | StopHosting)
+          | ReannounceLoaded | EndLoad | Drain | Detach | EvictFromEngine | ReleasePins | ReportStopped | StopHosting
+          | StartPair | EndPair)
 
 
 # --- the transitions ------------------------------------------------------------------------------
@@ -348,7 +415,7 @@ def _load_asked(s: Lifecycle, ev: LoadAsked) -> tuple[Lifecycle, list[Effect]]:
         fresh = Lifecycle(s.instance_id, Phase.loading, blocks=frozenset(ev.blocks),
                           serve_early=ev.serve_while_loading, load_running=True)
         return fresh, [StartLoad(), Answer(True, "loading")]
-    if s.phase is Phase.serving and s.loaded_reported:
+    if s.phase in (Phase.serving, Phase.pair_source) and s.loaded_reported:
         return s, [ReannounceLoaded(), Answer(True, "already loaded")]
     # Loading, stopping, or ended while its load task still runs: one load at a time.
     return s, [Answer(True, "already loaded or loading")]
@@ -414,6 +481,12 @@ def _maybe_serve(s: Lifecycle) -> tuple[Lifecycle, list[Effect]]:
         return s, []
     complete = s.in_engine >= s.blocks
     effects: list[Effect] = []
+    if s.phase is Phase.pair_target:
+        if not complete:
+            return s, []  # lends its blocks to the source's prefills instead of serving early
+        # The pair dissolves before it attaches: the source stops offloading, then both serve.
+        effects.append(EndPair(s.pair_peer, PAIR_DISSOLVED, notify_peer=True))
+        s = replace(s, phase=Phase.loading, pair_peer="")
     if not s.attached and (complete or (s.serve_early and s.in_engine)):
         effects.append(Attach("loaded" if complete else "serving, rest loading"))
         s = replace(s, attached=True, phase=Phase.serving_while_loading)
@@ -424,7 +497,7 @@ def _maybe_serve(s: Lifecycle) -> tuple[Lifecycle, list[Effect]]:
 
 
 def _load_finished(s: Lifecycle, ev: LoadFinished) -> tuple[Lifecycle, list[Effect]]:
-    if s.phase in (Phase.loading, Phase.serving_while_loading, Phase.cancelling):
+    if s.phase in (Phase.loading, Phase.serving_while_loading, Phase.cancelling, Phase.pair_target):
         # Ended without every block in (or without its engine): nothing else would end it.
         return _load_failed(s, LoadFailed(LOAD_ENDED_EARLY))
     return replace(s, load_running=False, disk_jobs=frozenset()), [CancelRead(j) for j in sorted(s.disk_jobs)]
@@ -432,8 +505,10 @@ def _load_finished(s: Lifecycle, ev: LoadFinished) -> tuple[Lifecycle, list[Effe
 
 def _load_failed(s: Lifecycle, ev: LoadFailed) -> tuple[Lifecycle, list[Effect]]:
     s = replace(s, load_running=False)
-    if s.phase in (Phase.loading, Phase.serving_while_loading, Phase.serving):
-        return _teardown(replace(s, ends_as=Phase.failed, reason=ev.error))
+    if s.phase in (Phase.loading, Phase.serving_while_loading, Phase.serving, *PAIRED_PHASES):
+        s, unpaired = _unpair(s, f"the target failed: {ev.error}")
+        s, effects = _teardown(replace(s, ends_as=Phase.failed, reason=ev.error))
+        return s, unpaired + effects
     if s.phase is Phase.cancelling:
         # The unload cancelled its reads: their failure is the stop, not an error.
         return _teardown(replace(s, reason=ev.error))
@@ -444,6 +519,8 @@ def _load_failed(s: Lifecycle, ev: LoadFailed) -> tuple[Lifecycle, list[Effect]]
 def _unload_asked(s: Lifecycle, ev: UnloadAsked) -> tuple[Lifecycle, list[Effect]]:
     asked = dict(reason=ev.reason, switched_to=tuple(ev.switched_to), keep_alive_s=ev.keep_alive_s)
     cancels: list[Effect] = [CancelRead(j) for j in sorted(s.disk_jobs)]
+    s, unpaired = _unpair(s, f"{s.instance_id} unloaded: {ev.reason}")
+    cancels += unpaired
     match s.phase:
         case Phase.loading:
             # Not attached yet: its reads stop now (within a read piece), the load at its next step.
@@ -461,6 +538,52 @@ def _unload_asked(s: Lifecycle, ev: UnloadAsked) -> tuple[Lifecycle, list[Effect
             return s, [Answer(True, "draining")]
         case _:
             return s, [Answer(False, NOT_HERE)]
+
+
+def _unpair(s: Lifecycle, reason: str) -> tuple[Lifecycle, list[Effect]]:
+    """This side ends its live pair (it stops or fails): tell the peer; the phase the pair came
+    from (serving, loading) goes on for the stop's own transition."""
+    match s.phase:
+        case Phase.pair_source:
+            back = Phase.serving
+        case Phase.pair_target:
+            back = Phase.loading
+        case _:
+            return s, []
+    return replace(s, phase=back, pair_peer=""), [EndPair(s.pair_peer, reason, notify_peer=True)]
+
+
+def _pair_formed(s: Lifecycle, ev: PairFormed) -> tuple[Lifecycle, list[Effect]]:
+    wanted = Phase.pair_source if ev.role == "source" else Phase.pair_target
+    if s.phase is wanted and s.pair_peer == ev.peer:
+        return s, [Answer(True, "already paired")]  # sent again
+    # A source holds every block and serves alone; a target is still loading and attached to
+    # nothing (it serves nothing of its own until the pair dissolves). Pipelines never pair.
+    can = s.kind == "local" and (
+        (ev.role == "source" and s.phase is Phase.serving)
+        or (ev.role == "target" and s.phase is Phase.loading and not s.attached))
+    if not can:
+        return s, [Refuse(f"{NOT_PAIRABLE} as {ev.role} while {s.phase}", code="unavailable")]
+    return replace(s, phase=wanted, pair_peer=ev.peer), [StartPair(ev.role, ev.peer), Answer(True, PAIRED)]
+
+
+def _pair_ended(s: Lifecycle, ev: PairEnded) -> tuple[Lifecycle, list[Effect]]:
+    if s.phase is Phase.pair_source:
+        return replace(s, phase=Phase.serving, pair_peer=""), [EndPair(s.pair_peer, ev.reason, notify_peer=False)]
+    if s.phase is Phase.pair_target:
+        effects: list[Effect] = [EndPair(s.pair_peer, ev.reason, notify_peer=False)]
+        s = replace(s, phase=Phase.loading, pair_peer="")
+        s, more = _maybe_serve(s)  # a plain load again: it may serve early now
+        return s, effects + more
+    return s, []  # not paired (any more): the notice crossed this side's own end
+
+
+def _pair_lost(s: Lifecycle, ev: PairLost) -> tuple[Lifecycle, list[Effect]]:
+    if s.phase not in PAIRED_PHASES:
+        return s, []
+    s, effects = _unpair(s, f"the pair's other side failed: {ev.error}")
+    s, more = _maybe_serve(s)  # a target goes on as a plain load (it may serve early now)
+    return s, effects + more
 
 
 def _drained(s: Lifecycle, ev: Drained) -> tuple[Lifecycle, list[Effect]]:
@@ -513,5 +636,6 @@ _HANDLERS = {
     DiskNeeded: _disk_needed, DiskReadStarted: _disk_read_started, DiskReadDone: _disk_read_done,
     BlockInEngine: _block_in_engine, EngineBuilt: _engine_built, LoadFinished: _load_finished,
     LoadFailed: _load_failed, UnloadAsked: _unload_asked, Drained: _drained, StagePeerLost: _stage_peer_lost,
-    RequestAdmitted: _request_admitted, RequestEnded: _request_ended,
+    RequestAdmitted: _request_admitted, RequestEnded: _request_ended, PairFormed: _pair_formed,
+    PairEnded: _pair_ended, PairLost: _pair_lost,
 }

@@ -537,10 +537,50 @@ class TransferPart(Message):
         return self
 
 
+class FormLivePair(Message):
+    """Planner -> both workers of a live pair (BlitzScale §5.2): `source_instance` (serving every
+    block, overloaded) offloads the first blocks of its prefills to `target_instance` (still
+    loading the model, stop-the-world) over the data plane (`peers`: both workers' addresses);
+    the split is chosen per batch (ZigZag), the KV of the target's blocks comes back with the
+    hidden state, and the source decodes alone. Sent to the target first, then the source (as
+    StartPipeline's stages). The pair dissolves by itself once the target holds every block."""
+
+    op: Literal["live_pair"] = "live_pair"
+    model: str
+    path: str
+    source_instance: str
+    source_worker: str
+    target_instance: str
+    target_worker: str
+    peers: dict[str, str]  # both workers -> data-plane address
+    # Blocks a batch may run on the target at most (None: half the model, BlitzScale's best-effort cap).
+    max_target_blocks: int | None = Field(default=None, ge=1)
+    scale_op_id: str | None = None
+
+    @model_validator(mode="after")
+    def _two_workers(self) -> "FormLivePair":
+        if self.source_worker == self.target_worker:
+            raise ValueError("a live pair's two instances are on two workers")
+        if missing := {self.source_worker, self.target_worker} - set(self.peers):
+            raise ValueError(f"no data-plane address for {sorted(missing)}")
+        return self
+
+
+class EndLivePair(Message):
+    """Worker -> the other worker of a live pair: the pair of `instance_id` (the receiver's) is over
+    (the target holds every block, or the sender's instance stopped or failed)."""
+
+    op: Literal["end_live_pair"] = "end_live_pair"
+    instance_id: str
+    reason: str = ""
+
+
 class WorkerCommand(RootModel[Annotated[LoadModel | UnloadModel | TransferPart | CancelTransfer | FetchBlocks
-                                         | ReleaseBlocks | StartPipeline, Field(discriminator="op")]]):
+                                         | ReleaseBlocks | StartPipeline | FormLivePair | EndLivePair,
+                                         Field(discriminator="op")]]):
     """What arrives on subjects.worker_command(...): a LoadModel, an UnloadModel, a TransferPart,
-    a CancelTransfer, a FetchBlocks, a ReleaseBlocks or a StartPipeline."""
+    a CancelTransfer, a FetchBlocks, a ReleaseBlocks, a StartPipeline, a FormLivePair or an
+    EndLivePair."""
 
 
 class CommandAck(Message):

@@ -20,7 +20,7 @@ import concurrent.futures
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -198,6 +198,8 @@ class InstanceLoading:
         # made ready so far, which execution-pipeline stages run on (views: no copy)
         self.in_engine: dict[str, tuple[str, dict[int, torch.Tensor]]] = {}
         self._drains: dict[str, _DrainWait] = {}  # instance -> its drain under way
+        # Carries out a live pair's end (EndPair): set by the worker, which runs its live pairs.
+        self.on_pair_end: Callable[[str, lifecycle.EndPair], Awaitable[None]] | None = None
 
     # --- the lifecycle ------------------------------------------------------------------------------
     def step(self, instance_id: str, event: lifecycle.Event) -> list[lifecycle.Effect]:
@@ -342,6 +344,9 @@ class InstanceLoading:
                 log.info("instance %s %s (%s)", iid, info.state.value, e.reason)
             case lifecycle.EndLoad():
                 pass  # the load task raises it (_raise_if_ended)
+            case lifecycle.EndPair():
+                if self.on_pair_end is not None:  # the worker's live pairs (services/worker/livepairs.py)
+                    await self.on_pair_end(iid, e)
             case lifecycle.Answer() | lifecycle.Refuse() | lifecycle.StopHosting() | lifecycle.StartLoad():
                 pass  # the command's caller answers, stops hosting, starts the load
 

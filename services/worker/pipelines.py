@@ -74,6 +74,10 @@ class PipelineStages:
         self.server: StageServer | None = None
         self.hosted: dict[str, list[str]] = {}  # pipeline instance -> stage ids hosted here
 
+    def stage_server(self) -> StageServer:
+        """The worker's StageServer (started on first use): pipeline stages and live pairs' fronts."""
+        return self._server()
+
     def _server(self) -> StageServer:
         if self.server is None:
             self.server = StageServer(self.transport(), {})

@@ -142,6 +142,10 @@ class EngineRuntime:
         self._inbox.put(_Call(fn, future))
         return asyncio.wrap_future(future, loop=self._loop)
 
+    def engine_of(self, instance_id: str) -> Engine | None:
+        """The instance's attached engine: for functions run by `call` (on the engine thread) only."""
+        return self._engines.get(instance_id)
+
     def cancel(self, instance_id: str, request_id: str) -> None:
         self._inbox.put(_Cancel(instance_id, request_id))
 

@@ -43,6 +43,7 @@ from services.common.runner import Service
 from services.worker.host_cache import HostBlockCache
 from services.worker.loading import Instance, InstanceLoading, WorkerEvents
 from services.worker.mesh import PREEMPTIONS, Admitted
+from services.worker.livepairs import LivePairs
 from services.worker.pipelines import PipelineStages
 from services.worker.runtime import EngineRuntime
 from services.worker.sharing import WorkerPorts, make_sharing
@@ -305,6 +306,9 @@ class WorkerService(Service):
             config, broker=self.broker, instances=self.instances, blocks_in_engine=self.loading.blocks_in_engine,
             require_checkpoint=self._require_checkpoint, engine_thread=lambda: self.runtime,
             transport=lambda: self.transport)
+        self.livepairs = LivePairs(
+            config, broker=self.broker, loading=self.loading, pipelines=self.pipelines,
+            engine_thread=lambda: self.runtime, transport=lambda: self.transport)
         # One handler per member of m.WorkerCommand.
         self._handlers: dict[type, Callable[..., Awaitable[m.CommandAck]]] = {
             m.TransferPart: self._on_transfer_part,
@@ -314,6 +318,8 @@ class WorkerService(Service):
             m.ReleaseBlocks: self._on_release,
             m.UnloadModel: self._on_unload,
             m.StartPipeline: self._on_start_pipeline,
+            m.FormLivePair: self.livepairs.form,
+            m.EndLivePair: self.livepairs.end,
         }
         self._subscribe()
 

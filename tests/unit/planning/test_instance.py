@@ -9,7 +9,10 @@ from libs.planning.instance import (
     ADMITTED,
     LOAD_ENDED_EARLY,
     NOT_HERE,
+    NOT_PAIRABLE,
     NOT_SERVING,
+    PAIR_DISSOLVED,
+    PAIRED,
     UNLOADED_WHILE_LOADING,
     Answer,
     AnnounceBlock,
@@ -24,12 +27,16 @@ from libs.planning.instance import (
     Drain,
     Drained,
     EndLoad,
+    EndPair,
     EngineBuilt,
     EvictFromEngine,
     Lifecycle,
     LoadAsked,
     LoadFailed,
     LoadFinished,
+    PairEnded,
+    PairFormed,
+    PairLost,
     Phase,
     Pin,
     PipelineStarted,
@@ -43,6 +50,7 @@ from libs.planning.instance import (
     RequestEnded,
     StagePeerLost,
     StartLoad,
+    StartPair,
     StopHosting,
     UnloadAsked,
     step,
@@ -358,6 +366,87 @@ def test_a_pipeline_that_lost_a_stage_drains_its_requests_and_fails_at_the_last(
     assert effects == [Detach(), ReportStopped(True, "a stage failed: timed out")] and s.phase is Phase.failed
 
 
+# --- live pairs (BlitzScale §5.2) ---------------------------------------------------------------------
+
+
+def test_a_serving_instance_pairs_as_source_keeps_serving_and_unpairs_when_told():
+    s, effects = run(serving(), PairFormed("source", "w2/i"))
+    assert s.phase is Phase.pair_source and s.pair_peer == "w2/i" and s.serving
+    assert effects == [StartPair("source", "w2/i"), Answer(True, PAIRED)]
+    s, effects = run(s, RequestAdmitted("r1"), PairEnded(PAIR_DISSOLVED))
+    assert s.phase is Phase.serving and s.pair_peer == "" and s.requests == {"r1"}
+    assert of(effects, EndPair) == [EndPair("w2/i", PAIR_DISSOLVED, notify_peer=False)]
+
+
+def test_a_loading_target_lends_its_blocks_without_serving_and_dissolves_at_its_last_block():
+    s, effects = run(loading(serve_early=True), PairFormed("target", "w1/i"), EngineBuilt(), BlockInEngine(0),
+                     BlockInEngine(1))
+    # Serving early would attach at the first block: a paired target lends its blocks instead.
+    assert s.phase is Phase.pair_target and not s.attached and not of(effects, Attach)
+    assert effects[:2] == [StartPair("target", "w1/i"), Answer(True, PAIRED)]
+    s, effects = step(s, RequestAdmitted("r1"))
+    assert of(effects, Refuse)
+    s, effects = step(s, BlockInEngine(2))
+    assert s.phase is Phase.serving and s.pair_peer == "" and s.attached and s.loaded_reported
+    # Step 3 of the protocol: the pair dissolves (the source told) before the target attaches.
+    assert effects == [AnnounceBlock(2), EndPair("w1/i", PAIR_DISSOLVED, notify_peer=True), Attach("loaded"),
+                       ReportLoaded()]
+
+
+def test_a_target_whose_source_left_goes_on_loading_and_may_serve_early_then():
+    s, _ = run(loading(serve_early=True), PairFormed("target", "w1/i"), EngineBuilt(), BlockInEngine(0))
+    s, effects = step(s, PairEnded("w1/i unloaded"))
+    assert of(effects, EndPair) == [EndPair("w1/i", "w1/i unloaded", notify_peer=False)]
+    assert s.phase is Phase.serving_while_loading and of(effects, Attach)
+
+
+def test_an_unload_of_either_side_breaks_the_pair_and_tells_the_peer():
+    src, effects = run(serving(), PairFormed("source", "w2/i"), UnloadAsked())
+    assert src.phase is Phase.draining and of(effects, Drain)
+    assert [e.notify_peer and e.peer for e in of(effects, EndPair)] == ["w2/i"]
+    tgt, effects = run(loading(), PairFormed("target", "w1/i"), UnloadAsked())
+    assert tgt.phase is Phase.cancelling
+    assert [e.notify_peer and e.peer for e in of(effects, EndPair)] == ["w1/i"]
+
+
+def test_a_failed_target_load_breaks_the_pair_before_it_reports_failed():
+    s, effects = run(loading(), PairFormed("target", "w1/i"), BlockInEngine(0), LoadFailed("disk gone"))
+    assert s.phase is Phase.failed
+    ends = [i for i, e in enumerate(effects) if isinstance(e, EndPair)]
+    stops = [i for i, e in enumerate(effects) if isinstance(e, ReportStopped)]
+    assert len(ends) == 1 and effects[ends[0]].notify_peer and ends[0] < stops[0]
+
+
+def test_only_a_serving_source_and_an_unattached_loading_target_pair():
+    for s, role in [(loading(), "source"), (serving(), "target"), (run(loading(), EngineBuilt(), BlockInEngine(0))[0],
+                                                                   "target"),
+                    (Lifecycle("i"), "source"), (Lifecycle("i"), "target")]:
+        after, effects = step(s, PairFormed(role, "p"))
+        assert after == s and effects == [Refuse(f"{NOT_PAIRABLE} as {role} while {s.phase}", code="unavailable")]
+    entry, _ = step(Lifecycle("i"), PipelineStarted(entry=True))
+    assert of(step(entry, PairFormed("source", "p"))[1], Refuse)
+
+
+def test_a_pair_formed_again_is_answered_without_a_second_start():
+    s, _ = run(serving(), PairFormed("source", "p"))
+    again, effects = step(s, PairFormed("source", "p"))
+    assert again == s and effects == [Answer(True, "already paired")]
+
+
+def test_a_side_that_finds_its_peer_failing_goes_on_alone_and_tells_it():
+    src, effects = run(serving(), PairFormed("source", "w2/i"), RequestAdmitted("r1"), PairLost("timeout"))
+    assert src.phase is Phase.serving and src.requests == {"r1"}
+    assert [(e.peer, e.notify_peer) for e in of(effects, EndPair)] == [("w2/i", True)]
+    tgt, effects = run(loading(serve_early=False), PairFormed("target", "w1/i"), PairLost("reset"))
+    assert tgt.phase is Phase.loading and [(e.peer, e.notify_peer) for e in of(effects, EndPair)] == [("w1/i", True)]
+    assert step(serving(), PairLost("late")) == (serving(), [])
+
+
+def test_a_pair_ended_notice_for_an_unpaired_instance_does_nothing():
+    s = serving()
+    assert step(s, PairEnded("late")) == (s, [])
+
+
 # --- every order of events ---------------------------------------------------------------------------
 
 
@@ -381,6 +470,7 @@ class InstanceLifecycle(RuleBasedStateMachine):
         self.stop_reports = 0
         self.unloaded = False  # an unload was accepted in this life
         self.running: set[str] = set()  # requests admitted and not ended (the worker's table)
+        self.paired = ""  # the side of a live pair the worker runs for it ("" when none)
 
     def feed(self, ev):
         self.s, effects = step(self.s, ev)
@@ -409,12 +499,20 @@ class InstanceLifecycle(RuleBasedStateMachine):
                     self.attaches += 1
                     assert not self.unloaded, "attached after an unload"
                 case ReportLoaded():
+                    assert not self.paired, "reported loaded while still lending its blocks"
                     self.loaded_reports += 1
                     assert self.s.in_engine >= self.s.blocks, "loaded before every block was in"
                 case ReportStopped():
                     self.stop_reports += 1
                 case Detach():
                     self.running.clear()  # its requests end with an error
+                case StartPair(role=role):
+                    assert not self.paired, "a second pair started before the first ended"
+                    self.paired = role
+                case EndPair(notify_peer=notify):
+                    assert self.paired, "ended a pair it did not run"
+                    assert notify != isinstance(ev, PairEnded), "the peer told of its own end, or not told of ours"
+                    self.paired = ""
         if isinstance(ev, RequestEnded):
             self.running.discard(ev.request_id)
         if of(effects, Drain) and self.s.phase is Phase.draining and not self.s.requests:
@@ -503,6 +601,24 @@ class InstanceLifecycle(RuleBasedStateMachine):
     def request_ended(self, request):
         self.feed(RequestEnded(request))
 
+    @rule(role=st.sampled_from(["source", "target"]))
+    def pair_formed(self, role):
+        self.feed(PairFormed(role, "peer"))
+
+    @rule()
+    def pair_ended(self):
+        self.feed(PairEnded("the peer ended it"))
+
+    @rule()
+    def pair_lost(self):
+        self.feed(PairLost("the peer timed out"))
+
+    @invariant()
+    def a_pair_runs_exactly_while_the_instance_is_paired(self):
+        assert bool(self.paired) == (self.s.phase in (Phase.pair_source, Phase.pair_target))
+        if self.s.phase is Phase.pair_target:
+            assert not self.s.attached and self.s.load_running
+
     @invariant()
     def requests_are_the_ones_admitted_and_not_ended(self):
         assert self.s.requests == self.running
@@ -540,7 +656,7 @@ class InstanceLifecycle(RuleBasedStateMachine):
         if self.s.serving:
             assert self.s.attached
         if self.s.attached:
-            assert self.s.phase in (Phase.serving_while_loading, Phase.serving, Phase.draining)
+            assert self.s.phase in (Phase.serving_while_loading, Phase.serving, Phase.pair_source, Phase.draining)
 
 
     def teardown(self):
@@ -559,6 +675,7 @@ class InstanceLifecycle(RuleBasedStateMachine):
         if self.s.phase is Phase.draining:
             effects += self.feed(Drained())
         assert not self.pinned and not self.reading
+        assert not self.paired or self.s.phase in (Phase.pair_source, Phase.pair_target)
         if unloaded and kind != "stage":
             assert reports + len(of(effects, ReportStopped)) == 1
 
