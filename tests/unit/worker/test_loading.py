@@ -44,9 +44,9 @@ class RecordedEvents:
     async def instance(self, info, reason, switched_to=()):
         self.instances.append(m.InstanceEvent(instance=info, reason=reason, switched_to=list(switched_to)))
 
-    async def block(self, model, block_id, tier, state, nbytes=0, seconds=0.0, scale_op_id=None):
+    async def block(self, model, block_id, tier, state, nbytes=0, seconds=0.0, scale_op_id=None, from_tier=None):
         self.blocks.append(m.BlockEvent(model=model, block_id=block_id, worker_id="w-test", tier=tier, state=state,
-                                        nbytes=nbytes, seconds=seconds, scale_op_id=scale_op_id))
+                                        nbytes=nbytes, seconds=seconds, scale_op_id=scale_op_id, from_tier=from_tier))
 
     async def evicted(self, keys):
         for model, block_id in keys:
