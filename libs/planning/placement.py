@@ -1,9 +1,9 @@
 """Where a new instance goes and which instances a scale-in removes.
 
-Pure functions over plain data. Locality first (ServerlessLLM §6): a worker
-that already holds a model's blocks in a nearer tier (engine memory, then host
-memory, then its own disk) starts it faster than one that must read the
-shared checkpoint.
+Pure functions over plain data. The least estimated load time first (ServerlessLLM §6.4;
+the estimate: load_estimate.py), then locality: a worker that already holds a model's
+blocks in a nearer tier (engine memory, then host memory, then its own disk) starts it
+faster than one that must fetch them.
 """
 
 import math
