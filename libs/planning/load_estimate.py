@@ -49,14 +49,14 @@ def model_spec(model: m.ModelInfo, block_start: int = 0, block_end: int | None =
     return ModelSpec(name=model.name, block_bytes=tuple(sizes))
 
 
-def nearest_tiers(replicas: Iterable[m.ReplicaInfo], worker_id: str) -> dict[str, dict[int, Tier]]:
-    """model -> block -> the nearest tier a ready replica of it is in on `worker_id`."""
-    out: dict[str, dict[int, Tier]] = {}
+def nearest_tiers(replicas: Iterable[m.ReplicaInfo]) -> dict[str, dict[str, dict[int, Tier]]]:
+    """worker -> model -> block -> the nearest tier a ready replica of it is in there."""
+    out: dict[str, dict[str, dict[int, Tier]]] = {}
     for r in replicas:
-        if r.worker_id != worker_id or r.state != m.ReplicaState.ready or r.tier not in _TIERS:
+        if r.state != m.ReplicaState.ready or r.tier not in _TIERS:
             continue
         tier = _TIERS[r.tier]
-        blocks = out.setdefault(r.model, {})
+        blocks = out.setdefault(r.worker_id, {}).setdefault(r.model, {})
         if r.block_id not in blocks or _RANK.index(tier) < _RANK.index(blocks[r.block_id]):
             blocks[r.block_id] = tier
     return out
@@ -69,32 +69,43 @@ def loading_here(instance: m.InstanceInfo) -> bool:
         or (instance.state == m.InstanceState.ready and instance.loaded_at is None))
 
 
-def queue_s(view: m.ClusterView, worker: WorkerView) -> float:
-    """q (§6.2): the time the loads running on the worker still take. Loads on one worker
-    are sequential (§6.2 (i)), so a new one waits for them: each one's blocks not yet in engine
-    memory there, from the tier each sits in."""
+def running_loads(view: m.ClusterView) -> dict[str, list[ModelSpec]]:
+    """worker -> the loads running there (each the blocks of its stage)."""
     models = {x.name: x for x in view.models}
-    total = 0.0
+    out: dict[str, list[ModelSpec]] = {}
     for inst in view.instances:
         model = models.get(inst.model)
         if model is None or not loading_here(inst):
             continue
         for stage in inst.stages:
-            if stage.worker_id == worker.id:
-                total += load_time(worker, model_spec(model, stage.block_start, stage.block_end))
-    return total
+            out.setdefault(stage.worker_id, []).append(model_spec(model, stage.block_start, stage.block_end))
+    return out
 
 
-def worker_view(view: m.ClusterView, worker: m.WorkerInfo) -> WorkerView:
-    """The estimator's view of one worker: its bandwidths, where blocks are, its queue."""
-    bare = WorkerView(id=worker.worker_id, bandwidth=worker_bandwidths(worker), free_gpus=1,
-                      blocks=nearest_tiers(view.replicas, worker.worker_id))
-    return replace(bare, queue_s=queue_s(view, bare))
+def queue_s(worker: WorkerView, loads: Iterable[ModelSpec]) -> float:
+    """q (§6.2): the time the loads running on the worker still take. Loads on one worker
+    are sequential (§6.2 (i)), so a new one waits for them: each one's blocks not yet in engine
+    memory there, from the tier each sits in."""
+    return sum(load_time(worker, spec) for spec in loads)
+
+
+def worker_views(view: m.ClusterView, workers: Iterable[str]) -> dict[str, WorkerView]:
+    """The estimator's view of each of `workers` in the registry's view: its bandwidths, where
+    blocks are, its queue."""
+    by_id: Mapping[str, m.WorkerInfo] = {w.worker_id: w for w in view.workers}
+    tiers, loads = nearest_tiers(view.replicas), running_loads(view)
+    out: dict[str, WorkerView] = {}
+    for w in workers:
+        if w not in by_id:
+            continue
+        # free_gpus: not the planner's concern here (it passes only workers free for the model).
+        bare = WorkerView(id=w, bandwidth=worker_bandwidths(by_id[w]), free_gpus=1, blocks=tiers.get(w, {}))
+        out[w] = replace(bare, queue_s=queue_s(bare, loads.get(w, ())))
+    return out
 
 
 def estimated_load_s(view: m.ClusterView, model: m.ModelInfo, workers: Iterable[str]) -> dict[str, float]:
     """worker -> estimated seconds until the whole model is in its engine memory (§6.2:
     q + the bytes from each block's nearest tier over that path's slowest link)."""
-    by_id: Mapping[str, m.WorkerInfo] = {w.worker_id: w for w in view.workers}
     spec = model_spec(model)
-    return {w: load_time(worker_view(view, by_id[w]), spec) for w in workers if w in by_id}
+    return {w: load_time(wv, spec) for w, wv in worker_views(view, workers).items()}

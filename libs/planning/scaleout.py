@@ -316,7 +316,8 @@ def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[s
                               receives=multicast is not None and w in receivers, in_pipeline=w in in_pipeline)
                   for w in targets)
     return ScalePlan(model, len(live), desired, loads, tuple(sources), tuple(receivers), multicast, link_gbps,
-                     pipelines, prediction, held_back, load_estimates={w: load_s[w] for w in targets})
+                     pipelines, prediction, held_back,
+                     load_estimates={w: load_s[w] for w in targets if w in load_s})
 
 
 def plan_scale_in(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[str, int] | None = None, *,
