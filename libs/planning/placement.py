@@ -1,11 +1,12 @@
 """Where a new instance goes and which instances a scale-in removes.
 
-Pure functions over plain data. Locality first (ServerlessLLM §6): a worker
-that already holds a model's blocks in a nearer tier (engine memory, then host
-memory, then its own disk) starts it faster than one that must read the
-shared checkpoint.
+Pure functions over plain data. The least estimated load time first (ServerlessLLM §6.4;
+the estimate: load_estimate.py), then locality: a worker that already holds a model's
+blocks in a nearer tier (engine memory, then host memory, then its own disk) starts it
+faster than one that must fetch them.
 """
 
+import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -68,11 +69,30 @@ def full_copies(block_ids: Collection[int], held: Iterable[Held], workers: Itera
     return [w for w in workers if wanted <= have.get(w, set())]
 
 
+# Estimates closer than this count as equal (ServerlessLLM §7.3 measured its SSD load estimates
+# off by up to 40 ms; measured bandwidths drift by more than a tenth between loads): the
+# workers' order then falls back to locality and load, so noise in the measurements does not
+# decide where instances go.
+LOAD_ESTIMATE_RESOLUTION_S = 0.04
+LOAD_ESTIMATE_RESOLUTION_REL = 0.1
+
+
+def load_time_rank(load_s: Mapping[str, float]) -> dict[str, int]:
+    """worker -> its estimate in steps of the resolution (max of the absolute one and the
+    relative one of the fastest estimate): equal steps are ties."""
+    if not load_s:
+        return {}
+    step = max(LOAD_ESTIMATE_RESOLUTION_S, LOAD_ESTIMATE_RESOLUTION_REL * min(load_s.values()))
+    return {w: int(t // step) for w, t in load_s.items()}
+
+
 def pick_targets(block_bytes: Mapping[int, int], candidates: Iterable[Candidate], held: Iterable[Held],
-                 n: int, *, first: bool = False) -> list[str]:
-    """Up to `n` distinct workers for new instances: most bytes in the nearest
-    tier first (lexicographic over tiers), then the least busy, then by id so
-    the choice is deterministic.
+                 n: int, *, first: bool = False, load_s: Mapping[str, float] | None = None) -> list[str]:
+    """Up to `n` distinct workers for new instances: the least estimated load time first
+    (`load_s`, ServerlessLLM §6.4; see load_time_rank), then most bytes in the nearest tier
+    (lexicographic over tiers), then the least busy, then by id so the choice is deterministic.
+    Without `load_s` the estimate does not tell workers apart; a worker missing from it goes after
+    those in it.
 
     A saturated worker gets a model's first instance only (`first`: it has none live, and an
     instance anywhere is what lets its requests in as room frees), and only after every other:
@@ -80,9 +100,11 @@ def pick_targets(block_bytes: Mapping[int, int], candidates: Iterable[Candidate]
     validation) and their loads take the compute its requests are refused for."""
     held = list(held)
     candidates = [c for c in candidates if first or not c.saturated]
+    rank = load_time_rank(load_s or {})
     ranked = sorted(
         candidates,
-        key=lambda c: (c.saturated, tuple(-b for b in locality(block_bytes, held, c.worker_id)), c.instances,
+        key=lambda c: (c.saturated, rank.get(c.worker_id, math.inf),
+                       tuple(-b for b in locality(block_bytes, held, c.worker_id)), c.instances,
                        c.running_requests, c.worker_id),
     )
     return [c.worker_id for c in ranked[: max(0, n)]]

@@ -34,7 +34,7 @@ __all__ = [
     "PipelineRegistered", "PipelineStartAnswered", "SwitchAnswered", "DrainAnswered", "WorkerLost", "Tick",
     "Effect", "Record", "SendParts", "CancelParts", "CreateInstance", "SendLoad", "Announce", "FormPipeline",
     "StartPipeline", "SwitchPipeline", "UnloadStages", "Drain", "CheckInstances", "Ended", "Trace", "Log",
-    "open_scale_up", "open_scale_down", "resume", "resume_plan", "step", "outcome_of", "concerns",
+    "open_scale_up", "open_scale_down", "resume", "resume_plan", "step", "outcome_of", "measured_load_s", "concerns",
     "PoolFills", "admit_pool_fill", "forget_pool_model", "plan_part_id",
 ]
 
@@ -478,6 +478,16 @@ def outcome_of(op: ScaleOp) -> tuple[Outcome, int]:
     return ("done" if ready == wanted else "partial" if ready else "failed"), ready
 
 
+def measured_load_s(op: ScaleOp) -> dict[str, float]:
+    """worker -> seconds from the plan to its target's every block in engine memory: what the
+    plan's estimated_load_s (ServerlessLLM §6.2) estimated, for the targets that loaded."""
+    planned = op.timings.get("planned")
+    if planned is None:
+        return {}
+    return {t.worker_id: round(max(0.0, op.timings[f"loaded:{iid}"] - planned), 6)
+            for iid, t in op.targets.items() if f"loaded:{iid}" in op.timings}
+
+
 def _close(op: ScaleOp, now: float, effects: list[Effect]) -> tuple[ScaleOp, list[Effect]]:
     """Every target ended: no pipeline is needed any more; the closing record goes out."""
     effects = list(effects)
@@ -488,6 +498,8 @@ def _close(op: ScaleOp, now: float, effects: list[Effect]) -> tuple[ScaleOp, lis
         op = dataclasses.replace(op, watch=dataclasses.replace(op.watch, closed=True))
     outcome, ready = outcome_of(op)
     op = dataclasses.replace(op, state="done", outcome=outcome, timings=_frozen({**op.timings, "done": now}))
+    if "estimated_load_s" in op.plan and (measured := measured_load_s(op)):
+        op = dataclasses.replace(op, plan=_frozen({**op.plan, "measured_load_s": measured}))
     record = op.record()
     return op, effects + [Record(record), Ended(record, outcome, ready)]
 

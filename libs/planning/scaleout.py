@@ -51,6 +51,7 @@ from libs.planning.multicast import (
     schedule_steps,
 )
 from libs.planning.multicast_choice import DEFAULT_CHUNK_BYTES, choose_multicast
+from libs.planning.load_estimate import estimated_load_s
 from libs.planning.pipelines import plan_pipelines
 from libs.planning.placement import Candidate, Held, LiveInstance, full_copies, pick_targets, pick_victims
 from libs.protocol import messages as m
@@ -331,6 +332,8 @@ class ScalePlan:
     pipelines: tuple[tuple[str, ...], ...] = ()
     prediction: Mapping[str, float | None] = field(default_factory=dict)  # see predicted()
     held_back: tuple[str, ...] = ()  # free workers passed over as saturated (see pick_targets)
+    # target -> its estimated load time when chosen (ServerlessLLM §6.2, libs.planning.load_estimate)
+    load_estimates: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -362,6 +365,9 @@ class ScalePlan:
             plan["pipelines"] = [list(p) for p in self.pipelines]
         if self.prediction:
             plan["predicted"] = dict(self.prediction)
+        if self.load_estimates:
+            # Beside what happens: the operation adds measured_load_s when it closes (scaleop).
+            plan["estimated_load_s"] = {w: round(s, 6) for w, s in self.load_estimates.items()}
         return plan
 
 
@@ -394,7 +400,10 @@ def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[s
     candidates = [Candidate(w, load.get(w, 0), per_worker[w], w in saturated) for w in alive if w not in busy]
     held = held_blocks(view, model.name)
     block_bytes = {b.block_id: b.nbytes for b in model.blocks}
-    targets = pick_targets(block_bytes, candidates, held, desired - len(live), first=not live)
+    # Each candidate's estimated load time (its measured bandwidths, where it holds the blocks,
+    # the loads already running there) ranks it first (ServerlessLLM §6.4).
+    load_s = estimated_load_s(view, model, [c.worker_id for c in candidates])
+    targets = pick_targets(block_bytes, candidates, held, desired - len(live), first=not live, load_s=load_s)
     held_back = tuple(c.worker_id for c in candidates if c.saturated and c.worker_id not in targets)
     if not targets:
         return ScalePlan(model, len(live), desired, (), held_back=held_back)
@@ -426,7 +435,8 @@ def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[s
                               receives=multicast is not None and w in receivers, in_pipeline=w in in_pipeline)
                   for w in targets)
     return ScalePlan(model, len(live), desired, loads, tuple(sources), tuple(receivers), multicast, link_gbps,
-                     pipelines, prediction, held_back)
+                     pipelines, prediction, held_back,
+                     load_estimates={w: load_s[w] for w in targets if w in load_s})
 
 
 def plan_scale_in(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[str, int] | None = None, *,

@@ -188,7 +188,12 @@ class ReplicaInfo(BaseModel):
 
 
 class BlockEvent(Message):
-    """A worker's block replica changed: arrived (ready), started loading, or evicted."""
+    """A worker's block replica changed: arrived (ready), started loading, or evicted.
+
+    `tier: ssd` (ready): the model's checkpoint is on the worker's local disk (a deployed model's
+    path it can read, under its --local-checkpoints directories when given), so a load there
+    reads it locally: the planner's load-time estimate (ServerlessLLM §6.2) tells such a worker
+    from one that has nothing."""
 
     model: str
     block_id: int
@@ -198,6 +203,8 @@ class BlockEvent(Message):
     nbytes: int = 0
     seconds: float = 0.0  # time the load/transfer of this block took
     scale_op_id: str | None = None
+    # A block made ready in engine memory (tier gpu): the tier it was loaded from (host or ssd).
+    from_tier: Tier | None = None
 
 
 class Stage(BaseModel):

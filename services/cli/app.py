@@ -245,6 +245,41 @@ def deploy(name: str, path: Path, min_instances: int = 0, max_instances: int = 4
     console.print(f"deployed {info['name']} ({len(info['blocks'])} blocks) from {info['path']}")
 
 
+def scale_op_rows(ops: list[dict]) -> list[tuple[str, ...]]:
+    """One row per target of each scale operation (one for an operation without targets): its id,
+    direction, state, instances from -> to, the target, its estimated load time (the plan's
+    estimated_load_s) and the measured one (measured_load_s, once the operation closed)."""
+
+    def seconds(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    rows = []
+    for op in ops:
+        plan = op.get("plan") or {}
+        head = (op["scale_op_id"], op["direction"], op["state"], f"{op['from_instances']} -> {op['to_instances']}")
+        estimated, measured = plan.get("estimated_load_s") or {}, plan.get("measured_load_s") or {}
+        targets = plan.get("targets") or list(estimated)
+        if not targets:
+            rows.append((*head, "-", "-", "-"))
+        for t in targets:
+            rows.append((*head, t, seconds(estimated.get(t)), seconds(measured.get(t))))
+    return rows
+
+
+@model_app.command("ops")
+def model_ops(name: str, state_dir: Path = StateDir, gateway_url: str = GatewayUrl, admin_key: str = AdminKey,
+              as_json: bool = typer.Option(False, "--json")) -> None:
+    """A model's recent scale operations: each target's estimated load time beside the measured one."""
+    ops = _admin_call(state_dir, gateway_url, admin_key, "GET", f"/admin/v1/models/{name}")["scale_ops"]
+    if as_json:
+        print(json.dumps(ops, indent=2))
+        return
+    table = Table("operation", "direction", "state", "instances", "target", "estimated s", "measured s")
+    for row in scale_op_rows(ops):
+        table.add_row(*row)
+    console.print(table)
+
+
 @keys_app.command("create")
 def keys_create(name: str,
                 model: list[str] = typer.Option([], "--model", help="A model the key may use (repeatable; "

@@ -78,6 +78,11 @@ def main() -> None:
     p.add_argument("--kv-min-slots", type=int, default=int(env("LAYERCAST_KV_MIN_SLOTS", "0")),
                    help="with --sharing mesh: elastic KV, the KV slots an instance keeps however idle (L_min); "
                         "0: KV fixed at the instance's ceiling")
+    p.add_argument("--local-checkpoints", action="append",
+                   default=[d for d in env("LAYERCAST_LOCAL_CHECKPOINTS", "").split(os.pathsep) if d],
+                   help="a directory on this worker's local disk holding checkpoints (repeatable; the "
+                        "environment: a path list): deployed models under it are reported in the ssd tier. "
+                        "None given: every deployed model path this worker can read counts as local")
     p.add_argument("--health-host", default=env("LAYERCAST_HEALTH_HOST", "127.0.0.1"))
     p.add_argument("--health-port", type=int, default=int(env("LAYERCAST_HEALTH_PORT", "0")))
     a = p.parse_args()
@@ -98,6 +103,7 @@ def main() -> None:
         profile_refresh_s=a.profile_refresh_s, memory_capacity_bytes=a.memory_capacity_bytes,
         device_working_bytes=int(a.device_working_gb * (1 << 30)),
         kv_watermark=a.kv_watermark, kv_min_slots=a.kv_min_slots,
+        local_checkpoint_dirs=tuple(a.local_checkpoints),
     )
     run(lambda: WorkerService(config), a.health_host, a.health_port)
 

@@ -68,8 +68,8 @@ class WorkerEvents(Protocol):
         """An instance changed state."""
 
     async def block(self, model: str, block_id: int, tier: m.Tier, state: m.ReplicaState, nbytes: int = 0,
-                    seconds: float = 0.0, scale_op_id: str | None = None) -> None:
-        """A block replica here changed state."""
+                    seconds: float = 0.0, scale_op_id: str | None = None, from_tier: m.Tier | None = None) -> None:
+        """A block replica here changed state (`from_tier`: where a block now in engine memory came from)."""
 
     async def evicted(self, keys: Sequence[tuple[str, int]]) -> None:
         """These blocks left the host tier."""
@@ -360,7 +360,7 @@ class InstanceLoading:
         load.span.set_attribute("layercast.bytes", load.loaded_bytes)
         model = load.cmd.model
         await self.events.block(model, b, m.Tier.gpu, m.ReplicaState.ready, device_buf.numel(), seconds,
-                                load.cmd.scale_op_id)
+                                load.cmd.scale_op_id, from_tier=tier)
         await self.events.block(model, b, m.Tier.host, m.ReplicaState.ready, host_buf.numel())
 
     async def _attach(self, iid: str, reason: str) -> None:

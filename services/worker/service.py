@@ -13,7 +13,7 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import psutil
@@ -21,6 +21,7 @@ import torch
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge
 
+from libs.checkpoint import CheckpointIndex, is_block_checkpoint
 from libs.checkpoint.hostmem import HostArena
 from libs.checkpoint.pacing import make_pacer
 from libs.checkpoint.fastload import (
@@ -34,7 +35,7 @@ from libs.engine import TokenOutput, grammar_tokenizer, warm_up
 from libs.planning import instance as lifecycle
 from libs.protocol import messages as m
 from libs.protocol import subjects
-from libs.bus.broker import DomainError, call, on_event, publish, rpc
+from libs.bus.broker import DomainError, RemoteError, call, on_event, publish, rpc
 from libs.bus.plans import consume_parts
 from libs.telemetry import tracer, unsampled
 from libs.transfer.base import Transport, TransferError
@@ -132,6 +133,28 @@ class WorkerConfig:
     device_working_bytes: int = 1 << 30
     kv_watermark: float = 0.2
     kv_min_slots: int = 0
+    # Directories on this worker's local disk holding checkpoints. A deployed model whose path lies
+    # under one (and that this worker can read) is reported in the ssd tier, so the planner's
+    # load-time estimate counts it as local; empty: every deployed model path this worker can
+    # read is local (the loader reads it from this disk: a single host, a hostPath volume).
+    local_checkpoint_dirs: tuple[str, ...] = ()
+
+
+def local_checkpoint(path: str, local_dirs: Sequence[str] = ()) -> CheckpointIndex | None:
+    """The block index of the checkpoint at `path` when it is on this worker's local disk (see
+    WorkerConfig.local_checkpoint_dirs); None when it is not, or cannot be read here."""
+    if local_dirs:
+        real = os.path.realpath(path)
+        dirs = [os.path.realpath(d) for d in local_dirs]
+        if not any(os.path.commonpath([real, d]) == d for d in dirs):
+            return None
+    if not is_block_checkpoint(path):
+        return None
+    try:
+        return CheckpointIndex.load(path)
+    except (OSError, ValueError) as e:
+        log.warning("checkpoint at %s unreadable here: %s", path, e)
+        return None
 
 
 def fold_bandwidth(bandwidths_gbps: dict[str, float], link: str, nbytes: int, seconds: float) -> None:
@@ -158,10 +181,10 @@ class BusEvents:
                                                                             switched_to=list(switched_to)))
 
     async def block(self, model: str, block_id: int, tier: m.Tier, state: m.ReplicaState, nbytes: int = 0,
-                    seconds: float = 0.0, scale_op_id: str | None = None) -> None:
+                    seconds: float = 0.0, scale_op_id: str | None = None, from_tier: m.Tier | None = None) -> None:
         await publish(self.broker, subjects.EVENT_BLOCK, m.BlockEvent(
             model=model, block_id=block_id, worker_id=self.worker_id, tier=tier, state=state,
-            nbytes=nbytes, seconds=seconds, scale_op_id=scale_op_id))
+            nbytes=nbytes, seconds=seconds, scale_op_id=scale_op_id, from_tier=from_tier))
 
     async def evicted(self, keys) -> None:
         for model, block_id in keys:
@@ -391,6 +414,7 @@ class WorkerService(Service):
                 await asyncio.sleep(0.5)
         self._registered = True
         log.info("worker %s registered", self.config.worker_id)
+        self.spawn(self._report_local_checkpoints())
         self._last_beat = time.monotonic()
         self.spawn(self.every(self.config.heartbeat_interval_s, self._heartbeat, "heartbeat", first_now=True))
         # Beside the first commands, not before registering: a cluster comes up no later for it.
@@ -456,6 +480,28 @@ class WorkerService(Service):
         return DomainError(why, code="busy")
 
     # --- blocks and instances -------------------------------------------------------------------------
+    async def report_checkpoint(self, model: str, path: str) -> bool:
+        """Report every block of `model` in the ssd tier if its checkpoint is on this worker's
+        local disk (the registry records the replicas; the planner's estimate reads them)."""
+        index = await asyncio.to_thread(local_checkpoint, path, self.config.local_checkpoint_dirs)
+        if index is None:
+            return False
+        for block in index.blocks:
+            await self.events.block(model, block.id, m.Tier.ssd, m.ReplicaState.ready, block.nbytes)
+        return True
+
+    async def _report_local_checkpoints(self) -> None:
+        """At start: the models deployed before this worker came (those deployed later come as
+        ModelEvents)."""
+        try:
+            deployed = await call(self.broker, subjects.REGISTRY_MODEL_LIST, m.ListModels(), m.ModelList,
+                                  timeout=self.config.heartbeat_interval_s * 5)
+        except (TimeoutError, RemoteError) as e:
+            log.warning("could not list the deployed models to report local checkpoints: %s", e)
+            return
+        for model in deployed.models:
+            await self.report_checkpoint(model.name, model.path)
+
     async def _report_evicted(self, keys: list[tuple[str, int]]) -> None:
         await self.events.evicted(keys)
 
@@ -598,6 +644,12 @@ class WorkerService(Service):
         @rpc(m.WorkerCommand)
         async def command(cmd: m.WorkerCommand) -> m.CommandAck:
             return await self._command(cmd)
+
+        @b.subscriber(subjects.EVENT_MODEL)
+        @on_event(m.ModelEvent)
+        async def model(ev: m.ModelEvent) -> None:
+            if ev.kind == "deployed":
+                await self.report_checkpoint(ev.model.name, ev.model.path)
 
         @b.subscriber(subjects.worker_generate(wid))
         @rpc(m.GenerateRequest)

@@ -83,6 +83,14 @@ def test_a_scale_out_multicasts_from_the_host_copy_and_the_new_instances_serve(c
                   "every receiver's transfer report")
     assert sum(k.startswith("ready:") for k in op["timings"]) == 2
     assert op["timings"]["planned"] <= op["timings"]["first_send"] <= op["timings"]["first_block"]
+    # The record carries each target's estimated load time, and the measured one beside it once
+    # the operation closed.
+    op = wait_for(lambda: o if (o := scale_op())["state"] == "done" else None, 30, "the scale-out to close")
+    assert set(op["plan"]["estimated_load_s"]) == set(op["plan"]["targets"]) == receivers | {pool}
+    assert set(op["plan"]["measured_load_s"]) == set(op["plan"]["targets"])
+    # Every worker reads the checkpoint from its own disk here: each reports it in the ssd tier.
+    ssd = {r["worker_id"] for r in described(cluster)["replicas"] if r["tier"] == "ssd" and r["state"] == "ready"}
+    assert workers <= ssd
 
     # The new workers got every byte over the data plane (the pool's worker before the scale-out)
     # and loaded from their host tier, not disk.

@@ -44,9 +44,9 @@ class RecordedEvents:
     async def instance(self, info, reason, switched_to=()):
         self.instances.append(m.InstanceEvent(instance=info, reason=reason, switched_to=list(switched_to)))
 
-    async def block(self, model, block_id, tier, state, nbytes=0, seconds=0.0, scale_op_id=None):
+    async def block(self, model, block_id, tier, state, nbytes=0, seconds=0.0, scale_op_id=None, from_tier=None):
         self.blocks.append(m.BlockEvent(model=model, block_id=block_id, worker_id="w-test", tier=tier, state=state,
-                                        nbytes=nbytes, seconds=seconds, scale_op_id=scale_op_id))
+                                        nbytes=nbytes, seconds=seconds, scale_op_id=scale_op_id, from_tier=from_tier))
 
     async def evicted(self, keys):
         for model, block_id in keys:
@@ -294,5 +294,27 @@ async def test_an_unload_of_a_serving_instance_with_no_request_running_detaches_
         await w.until(lambda: m.InstanceState.stopped in w.events.states("i-idle"), timeout_s=10.0)
         await w.settle()
         nothing_left(w, "i-idle", 4)
+    finally:
+        w.close()
+
+
+async def test_a_block_made_ready_in_engine_memory_says_which_tier_it_was_loaded_from(four_blocks):
+    w = Worker()
+
+    def from_tiers(iid: str) -> dict[int, m.Tier]:
+        scale_op = f"op-{iid}"
+        return {ev.block_id: ev.from_tier for ev in w.events.blocks
+                if ev.tier == m.Tier.gpu and ev.state == m.ReplicaState.ready and ev.scale_op_id == scale_op}
+
+    try:
+        # Nothing in the host tier: every block comes from the disk.
+        await w.loading.on_load(load_model(four_blocks, "i-1", 4, scale_op_id="op-i-1"))
+        await w.until(lambda: "i-1" in w.instances and w.instances["i-1"].info.loaded_at)
+        assert from_tiers("i-1") == dict.fromkeys(range(4), m.Tier.ssd)
+        # Now they are in the host tier: a second instance takes them from there.
+        await w.loading.on_load(load_model(four_blocks, "i-2", 4, scale_op_id="op-i-2"))
+        await w.until(lambda: "i-2" in w.instances and w.instances["i-2"].info.loaded_at)
+        assert from_tiers("i-2") == dict.fromkeys(range(4), m.Tier.host)
+        await w.settle()
     finally:
         w.close()
