@@ -63,10 +63,44 @@ def test_threshold_invariants(loads: list[float], ready: int) -> None:
     assert 0 <= d <= 16
     recent = loads[-10:]  # average_s = 1 s of 100 ms samples, half-open window
     need = math.ceil(sum(recent) / len(recent) / 800 - 1e-9)
+    if ready == 0 and loads[-1] > 0:
+        need = max(need, 1)  # any load with no instance asks for one
     if d > ready:  # scaled up: exactly enough (capped) for the recent average at the upper bound
         assert d == min(16, need)
     elif need > ready and ready < 16:
         pytest.fail("demand above the upper bound must scale up")
+
+
+def test_threshold_scales_from_zero_on_the_first_request() -> None:
+    # One small request with no instance: far under the upper bound, still one instance at once.
+    assert threshold_policy(window([16.0], ready=0), CFG) == 1
+    # Queued with no load reported yet (e.g. max_tokens unknown): one instance too.
+    assert threshold_policy(window([0.0], ready=0, in_flight=1), CFG) == 1
+    assert threshold_policy(window([0.0], ready=0), CFG) == 0
+    assert threshold_policy(window([16.0], ready=0), ThresholdPolicy(1000.0, max_instances=0)) == 0
+
+
+def test_threshold_keeps_an_instance_while_requests_run() -> None:
+    # Under the lower bound for the whole timeout, but a request still runs: not to zero.
+    assert threshold_policy(window([0.0] * 10, ready=2, in_flight=1), CFG) == 1
+    assert threshold_policy(window([0.0] * 10, ready=2, in_flight=0), CFG) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    loads=st.lists(st.floats(min_value=0, max_value=20000), min_size=1, max_size=30),
+    in_flight=st.lists(st.integers(min_value=0, max_value=5), min_size=1, max_size=30),
+    ready=st.integers(min_value=0, max_value=20),
+    max_instances=st.integers(min_value=1, max_value=16),
+)
+def test_threshold_serves_demand_with_at_least_one_instance(loads: list[float], in_flight: list[int], ready: int,
+                                                            max_instances: int) -> None:
+    # Invariant: load or requests at the last sample never leave the model without an instance.
+    n = min(len(loads), len(in_flight))
+    w = [MetricsSample(t=i * 0.1, ready=ready, load_tps=loads[i], in_flight=in_flight[i]) for i in range(n)]
+    d = threshold_policy(w, ThresholdPolicy(capacity_tps=1000.0, max_instances=max_instances))
+    if w[-1].load_tps > 0 or w[-1].in_flight > 0:
+        assert d >= 1
 
 
 # ---------------------------------------------------------------------------
