@@ -537,6 +537,7 @@ def run_trace_benchmark(trace: Path, modes: Sequence[str], tf: Transform, cfg: T
         "max_instances": max_instances, "keep_alive_s": cfg.keep_alive_s,
         "serverlessllm_keep_alive_s": host_keep_alive_s,
         "scale_down_delay_s": cfg.scale_down_delay_s, "target_concurrency": cfg.target_concurrency,
+        "policy": cfg.policy, "policy_params": dict(cfg.policy_params),
         "static_min_instances": max_instances, "request_timeout_s": cfg.request_timeout_s,
         "request": "POST /v1/completions, prompt as token ids, max_tokens = output tokens, temperature 0, stream",
         "instance_seconds": "per instance: first event (loading) to stopped/failed, clipped to [replay start, "
