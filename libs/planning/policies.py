@@ -259,9 +259,11 @@ def slo_policy(window: Sequence[MetricsSample], cfg: SloPolicy) -> int:
     already count ``warming_credit`` each toward that (they are about to add
     capacity; counting them fully would under-react during long loads,
     ignoring them would double-scale a burst).  Scale-down (only with
-    nothing warming): saturation under ``scale_down_below`` in every sample
-    of the last ``scale_down_timeout_s`` → the instances that would put it
-    at target (at least one).  No requests and no observations for
+    nothing warming): the saturation over ``window_s`` up to each sample of
+    the last ``scale_down_timeout_s`` under ``scale_down_below`` → the
+    instances that would put it at target (at least one).  Over ``window_s``,
+    not per sample: samples are short (a tick) and most hold no observation
+    even under steady load.  No requests and no observations for
     ``idle_s`` → ``min_instances`` (keep-alive).  Requests queued with no
     instance at all ask for one.
     """
@@ -284,7 +286,7 @@ def slo_policy(window: Sequence[MetricsSample], cfg: SloPolicy) -> int:
         return _clamp(cur + extra, cfg.min_instances, cfg.max_instances)
     if last.warming == 0 and _covers(window, cfg.scale_down_timeout_s):
         calm = _since(window, cfg.scale_down_timeout_s)
-        sats = [_saturation([s], cfg) for s in calm]
+        sats = [_saturation([x for x in window if s.t - cfg.window_s < x.t <= s.t + 1e-12], cfg) for s in calm]
         if all(x is not None and x < cfg.scale_down_below for x in sats):
             want = max(1, math.ceil(needed - 1e-9))
             return _clamp(min(cur, want), cfg.min_instances, cfg.max_instances)

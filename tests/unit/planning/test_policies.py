@@ -171,6 +171,18 @@ def test_slo_scale_down_and_idle() -> None:
     assert slo_policy([MetricsSample(t=0.0, ready=0, in_flight=3)], cfg) == 1
 
 
+def test_slo_scales_down_under_light_load_where_most_ticks_observe_nothing() -> None:
+    # 0.1 s ticks, one request's TTFT/TPOT every 0.5 s at saturation 0.2, on 8 instances: the
+    # saturation over window_s (2 s) stays 0.2 through the timeout, so 8 · 0.2 / 0.8 = 2.
+    cfg = SloPolicy(ttft_slo_s=1.0, tpot_slo_s=0.1, scale_down_timeout_s=2.0, window_s=2.0)
+    w = [MetricsSample(t=i * 0.1, ready=8, in_flight=1, ttft_s=(0.2,) if i % 5 == 0 else (),
+                       tpot_s=(0.02,) if i % 5 == 0 else ()) for i in range(50)]
+    assert slo_policy(w, cfg) == 2
+    # A saturated observation inside the timeout keeps them all.
+    hot = [*w[:45], MetricsSample(t=4.5, ready=8, in_flight=1, ttft_s=(0.9,)), *w[46:]]
+    assert slo_policy(hot, cfg) == 8
+
+
 def test_percentile() -> None:
     assert percentile([1, 2, 3, 4], 50) == 2.5
     assert percentile([5], 90) == 5
