@@ -707,7 +707,8 @@ class ModelLoad(BaseModel):
     # (max_tokens x n) the queued requests asked for.
     tokens_generated: int = Field(0, ge=0)
     queued_tokens: int = Field(0, ge=0)
-    tpot_s: list[float] = []  # per finished request: (last token - first token) / (tokens - 1), since the previous report
+    # Per request finished since the previous report: (last token - first token) / (tokens - 1).
+    tpot_s: list[float] = []
 
 
 class GatewayMetrics(Message):

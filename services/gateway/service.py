@@ -230,8 +230,9 @@ class Generation:
                 # With n > 1 the worker goes on with a choice ended by a stop string until its
                 # own end; what it sends for it is dropped above.
                 choice.finished = True
-                if self.finished and first is not None and (after := max(c.completion_tokens for c in self.choices) - 1) > 0:
-                    self.entry.tpot_samples.append((now - first) / after)
+                after_first = max(c.completion_tokens for c in self.choices) - 1  # the longest choice's
+                if self.finished and first is not None and after_first > 0:
+                    self.entry.tpot_samples.append((now - first) / after_first)
             if ev.token_id is not None or finish is not None:
                 # A chunk per token, its text possibly empty while held back (an incomplete
                 # character, a possible stop string), as vLLM streams: a client sees the first

@@ -53,8 +53,8 @@ class LoadMonitorService(Service):
     name = "load_monitor"
 
     def __init__(self, nats_url: str | None = None, tick_s: float = 0.1, window_s: float = 10.0,
-                 target_concurrency: int = 8, resend_s: float = 2.0, scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S,
-                 drain_s: float = 1.0, gateway_stale_s: float = 5.0):
+                 target_concurrency: int = 8, resend_s: float = 2.0,
+                 scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S, drain_s: float = 1.0, gateway_stale_s: float = 5.0):
         super().__init__(nats_url)
         self.tick_s, self.window_s, self.resend_s = tick_s, window_s, resend_s
         # A scale-in is asked for only once the policy has wanted it this long without a break,
