@@ -449,6 +449,8 @@ class TraceBenchConfig:
     model_path: Path | None = None  # a block checkpoint of your own (default: bench_model's demo)
     keep_alive_s: float = 3.0
     scale_down_delay_s: float = 5.0  # damps scale-in right after a panic scale-out
+    policy: str = "concurrency"  # the deployment's scaling policy and its parameters
+    policy_params: dict = field(default_factory=dict)
     # How long a serverlessllm worker keeps a scaled-in model in host memory. None: λScale §2.3's
     # 15 s of trace time, so divided by the time scale like the trace's gaps are.
     serverlessllm_keep_alive_s: float | None = None
@@ -488,7 +490,8 @@ def run_trace_benchmark(trace: Path, modes: Sequence[str], tf: Transform, cfg: T
                   keep_alive_s=cfg.keep_alive_s, target_concurrency=cfg.target_concurrency,
                   scale_down_delay_s=cfg.scale_down_delay_s, queue_timeout_s=cfg.request_timeout_s,
                   max_context=context, torch_threads=cfg.torch_threads,
-                  serverlessllm_keep_alive_s=host_keep_alive_s)
+                  serverlessllm_keep_alive_s=host_keep_alive_s, policy=cfg.policy,
+                  policy_params=dict(cfg.policy_params))
     log(f"{len(requests)} requests over {replay_s:g} s (of {len(rows)} trace rows); model {model}")
 
     if cfg.slo_ttft_s is not None and cfg.slo_tbt_s is not None:
@@ -534,6 +537,7 @@ def run_trace_benchmark(trace: Path, modes: Sequence[str], tf: Transform, cfg: T
         "max_instances": max_instances, "keep_alive_s": cfg.keep_alive_s,
         "serverlessllm_keep_alive_s": host_keep_alive_s,
         "scale_down_delay_s": cfg.scale_down_delay_s, "target_concurrency": cfg.target_concurrency,
+        "policy": cfg.policy, "policy_params": dict(cfg.policy_params),
         "static_min_instances": max_instances, "request_timeout_s": cfg.request_timeout_s,
         "request": "POST /v1/completions, prompt as token ids, max_tokens = output tokens, temperature 0, stream",
         "instance_seconds": "per instance: first event (loading) to stopped/failed, clipped to [replay start, "

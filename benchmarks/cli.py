@@ -383,7 +383,13 @@ def trace(
     model: Path = typer.Option(None, "--model", help="A block checkpoint of your own instead of the demo model."),
     keep_alive_s: float = typer.Option(3.0, "--keep-alive-s", min=0, help="Idle time before scale-to-zero."),
     scale_down_delay_s: float = typer.Option(5.0, "--scale-down-delay-s", min=0,
-                                             help="Load-monitor: time a scale-in must be wanted first."),
+                                             help="Load-monitor: time a scale-in must be wanted first (the "
+                                                  "cluster's, for policies without a timeout of their own)."),
+    policy: str = typer.Option("concurrency", "--policy", help="The deployments' scaling policy: threshold | "
+                               "concurrency | slo."),
+    policy_param: list[str] = typer.Option([], "--policy-param", metavar="KEY=VALUE",
+                                           help="A parameter of the policy (repeatable), e.g. capacity_tps=200 "
+                                                "or scale_down_delay_s=0.5 (the deployment's own delay)."),
     serverlessllm_keep_alive_s: float = typer.Option(
         None, "--serverlessllm-keep-alive-s", min=0,
         help="serverlessllm's host-cache keep-alive (default: λScale's 15 s of trace time, i.e. 15 / --time-scale)."),
@@ -435,8 +441,16 @@ def trace(
         raise typer.BadParameter("give both --slo-ttft-s and --slo-tbt-s, or neither")
     profile = _emulation_profile(emulate, link_mbit, disk_mbit, host_to_device_mbit, cpu_quota,
                                  host_cache_models, leaves, uplink_mbit, scaleup_group_size)
+    params: dict[str, float] = {}
+    for pair in policy_param:
+        key, sep, value = pair.partition("=")
+        try:
+            params[key.strip()] = float(value) if sep and key.strip() else float("x")
+        except ValueError:
+            raise typer.BadParameter(f"--policy-param wants KEY=NUMBER, got {pair!r}") from None
     cfg = TraceBenchConfig(workers=workers, max_instances=max_instances or None, preset=preset, blocks=blocks,
                            model_path=model, keep_alive_s=keep_alive_s, scale_down_delay_s=scale_down_delay_s,
+                           policy=policy, policy_params=params,
                            serverlessllm_keep_alive_s=serverlessllm_keep_alive_s,
                            target_concurrency=target_concurrency, slo_factor=slo_factor,
                            calibration_requests=calibration_requests, slo_ttft_s=slo_ttft_s, slo_tbt_s=slo_tbt_s,

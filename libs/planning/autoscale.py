@@ -10,18 +10,24 @@ back.  Everything between is here, without I/O:
   ``max_samples``);
 * the deployment's scaling policy, looked up by name in :data:`POLICIES`;
 * the hysteresis around it: a scale-in (to one instance or more) is asked for
-  only once the policy has wanted fewer instances for ``scale_down_delay_s``
-  without a break (the scale to zero has waited out the keep-alive already);
-  a request is repeated while the mismatch lasts, but the same number not
-  more often than every ``resend_s`` (the planner reconciles idempotently);
-  nothing is asked for while the policy wants what runs.
+  only once the policy has wanted fewer instances for the deployment's
+  scale-down delay without a break (the scale to zero has waited out the
+  keep-alive already); a request is repeated while the mismatch lasts, but
+  the same number not more often than every ``resend_s`` (the planner
+  reconciles idempotently); nothing is asked for while the policy wants what
+  runs.
 
-Policies see what the samples contain.  The load-monitor's samples carry the
-instance counts and the requests queued or in flight; they do not carry
-``load_tps`` (the threshold policy then sees no load and settles at
-``min_instances``) nor TTFT/TPOT observations (the SLO policy then only
-scales from zero on demand and to zero after the keep-alive, when the window
-covers it).  A deployment's policy parameters are checked by
+The scale-down delay (:func:`scale_down_delay`) is the deployment's
+``scale_down_delay_s`` parameter where it sets one (every policy accepts
+it); otherwise 0 for a policy with its own scale-down timeout (``threshold``:
+BlitzScale's sub-second ``scale_down_timeout_s``; ``slo``), which the
+hysteresis must not stretch, and the cluster's ``scale_down_delay_s`` for
+the others (``concurrency``: a stabilization window against flapping).
+
+The load-monitor's samples (libs.planning.demand) carry the instance counts,
+the requests queued or in flight, the demand in tokens/s (``load_tps``, for
+the threshold policy) and the TTFT/TPOT observations of the interval (for
+the SLO policy).  A deployment's policy parameters are checked by
 :func:`policy_config` (also at deploy time): unknown names and bad values
 raise ``ValueError``.
 """
@@ -57,6 +63,7 @@ __all__ = [
     "ScaleDecision",
     "check_policy",
     "policy_config",
+    "scale_down_delay",
     "step",
 ]
 
@@ -71,6 +78,8 @@ def _frozen(mapping: Mapping) -> Mapping:
 
 # The deployment sets these on every policy's config; they are not parameters.
 _BOUNDS = ("min_instances", "max_instances")
+# Every policy accepts it; it sets the load-monitor's hysteresis, not the policy's config.
+SCALE_DOWN_DELAY = "scale_down_delay_s"
 
 
 @dataclass(frozen=True)
@@ -93,19 +102,22 @@ class Policy:
 
     ``decide(window, config, last_request_at)`` is the policy function;
     ``keep_alive`` names the config field the deployment's keep-alive fills
-    (None: the policy has none).  Every other field of the config without
-    the bounds is a parameter a deployment may set.
+    (None: the policy has none); ``own_scale_down`` says the policy waits out
+    a scale-down timeout of its own (the hysteresis then adds none by
+    default).  Every other field of the config without the bounds is a
+    parameter a deployment may set, and so is ``scale_down_delay_s``.
     """
 
     name: str
     config: type
     decide: Callable[[Sequence[MetricsSample], Any, float | None], int]
     keep_alive: str | None = None
+    own_scale_down: bool = False
 
     @property
     def params(self) -> tuple[str, ...]:
         fixed = {*_BOUNDS, self.keep_alive}
-        return tuple(f.name for f in dataclasses.fields(self.config) if f.name not in fixed)
+        return (*(f.name for f in dataclasses.fields(self.config) if f.name not in fixed), SCALE_DOWN_DELAY)
 
     @property
     def required(self) -> tuple[str, ...]:
@@ -135,16 +147,16 @@ class Policy:
         if self.keep_alive is not None:
             fixed[self.keep_alive] = deployment.keep_alive_s
         try:
-            return self.config(**params, **fixed)
+            return self.config(**{k: v for k, v in params.items() if k != SCALE_DOWN_DELAY}, **fixed)
         except ValueError as e:
             raise ValueError(f"scaling policy {self.name!r}: {e}") from None
 
 
 POLICIES: Mapping[str, Policy] = _frozen({p.name: p for p in (
-    Policy("threshold", ThresholdPolicy, lambda w, cfg, _last: threshold_policy(w, cfg)),
+    Policy("threshold", ThresholdPolicy, lambda w, cfg, _last: threshold_policy(w, cfg), own_scale_down=True),
     Policy("concurrency", ConcurrencyPolicy,
            lambda w, cfg, last: concurrency_policy(w, cfg, last_request_at=last), keep_alive="keep_alive_s"),
-    Policy("slo", SloPolicy, lambda w, cfg, _last: slo_policy(w, cfg), keep_alive="idle_s"),
+    Policy("slo", SloPolicy, lambda w, cfg, _last: slo_policy(w, cfg), keep_alive="idle_s", own_scale_down=True),
 )})
 
 
@@ -158,6 +170,15 @@ def _policy(name: str) -> Policy:
 def policy_config(deployment: Deployment, defaults: Mapping[str, float] | None = None) -> Any:
     """The policy config of ``deployment``; ValueError on an unknown policy or a bad parameter."""
     return _policy(deployment.policy).build(deployment, defaults)
+
+
+def scale_down_delay(deployment: Deployment, config: AutoscaleConfig) -> float:
+    """How long the policy must want fewer instances (not zero) before the scale-in is asked for:
+    the deployment's own ``scale_down_delay_s``, else 0 where the policy has a scale-down timeout
+    of its own (it has waited already), else the cluster's."""
+    if SCALE_DOWN_DELAY in deployment.params:
+        return float(deployment.params[SCALE_DOWN_DELAY])
+    return 0.0 if _policy(deployment.policy).own_scale_down else config.scale_down_delay_s
 
 
 def check_policy(policy: str, params: Mapping[str, float], *, min_instances: int = 0,
@@ -176,7 +197,9 @@ class AutoscaleConfig:
     """The load-monitor's knobs, the same for every model."""
 
     window_s: float = 10.0  # samples older than this are dropped
-    scale_down_delay_s: float = 0.0  # a scale-in waits until the policy has wanted it this long
+    # A scale-in waits until the policy has wanted it this long, for policies without a
+    # scale-down timeout of their own where the deployment sets no scale_down_delay_s.
+    scale_down_delay_s: float = 0.0
     resend_s: float = 2.0  # the same request is repeated at most this often
     max_samples: int = 1200
     # Per policy, parameter values used where a deployment sets none.
@@ -286,12 +309,16 @@ def _step_model(config: AutoscaleConfig, name: str, prev: ModelScaleState, obs: 
         # scale to zero has waited for the model's keep-alive already.
         if new.below_since is None:
             new = dataclasses.replace(new, below_since=now)
-        if now - new.below_since < config.scale_down_delay_s:
+        if now - new.below_since < scale_down_delay(dep, config):
             return new, None
     if new.last_sent is not None and new.last_sent[0] == desired and now - new.last_sent[1] < config.resend_s:
         return new, None
+    load = obs.sample.load_tps
     if desired > current:
-        reason = f"demand {new.demand} queued or in flight, {current} instance(s)"
+        tokens = f", {load:.1f} tokens/s" if load > 0 else ""
+        reason = f"demand {new.demand} queued or in flight{tokens}, {current} instance(s)"
+    elif policy.own_scale_down:
+        reason = f"load {load:.1f} tokens/s, {new.demand} queued or in flight"
     else:
         idle = now - (now if last_request_at is None else last_request_at)
         reason = f"idle for {idle:.1f}s (keep-alive {dep.keep_alive_s}s)"

@@ -124,21 +124,29 @@ def threshold_policy(window: Sequence[MetricsSample], cfg: ThresholdPolicy) -> i
     was under lower·capacity per instance; shrink to what the peak of that
     period needs at the upper bound (so the next decision does not bounce
     straight back up).  Zero load over the timeout goes to ``min_instances``.
+
+    Requests need an instance: with none, any load or any request queued
+    asks for one at once (scale from zero on the first request, however
+    small its load against the capacity), and while requests are queued
+    or running the policy never goes below one.
     """
     if not window:
         return cfg.min_instances
     cur = _current(window)
+    busy = 1 if window[-1].in_flight > 0 else 0
     per_upper = cfg.upper * cfg.capacity_tps
     recent = _last(window, cfg.average_s)
     avg = sum(s.load_tps for s in recent) / len(recent)
     need = math.ceil(avg / per_upper - 1e-9) if avg > 0 else 0
+    if cur == 0 and (window[-1].load_tps > 0 or busy):
+        need = max(need, 1)
     if need > cur:
         return _clamp(need, cfg.min_instances, cfg.max_instances)
     if _covers(window, cfg.scale_down_timeout_s):
         calm = _since(window, cfg.scale_down_timeout_s)
         if all(s.load_tps < cfg.lower * cfg.capacity_tps * max(s.ready + s.warming, 1) for s in calm):
             peak = max(s.load_tps for s in calm)
-            target = math.ceil(peak / per_upper - 1e-9) if peak > 0 else 0
+            target = max(math.ceil(peak / per_upper - 1e-9) if peak > 0 else 0, busy)
             return _clamp(min(cur, target), cfg.min_instances, cfg.max_instances)
     return _clamp(cur, cfg.min_instances, cfg.max_instances)
 
@@ -251,9 +259,11 @@ def slo_policy(window: Sequence[MetricsSample], cfg: SloPolicy) -> int:
     already count ``warming_credit`` each toward that (they are about to add
     capacity; counting them fully would under-react during long loads,
     ignoring them would double-scale a burst).  Scale-down (only with
-    nothing warming): saturation under ``scale_down_below`` in every sample
-    of the last ``scale_down_timeout_s`` → the instances that would put it
-    at target (at least one).  No requests and no observations for
+    nothing warming): the saturation over ``window_s`` up to each sample of
+    the last ``scale_down_timeout_s`` under ``scale_down_below`` → the
+    instances that would put it at target (at least one).  Over ``window_s``,
+    not per sample: samples are short (a tick) and most hold no observation
+    even under steady load.  No requests and no observations for
     ``idle_s`` → ``min_instances`` (keep-alive).  Requests queued with no
     instance at all ask for one.
     """
@@ -276,7 +286,7 @@ def slo_policy(window: Sequence[MetricsSample], cfg: SloPolicy) -> int:
         return _clamp(cur + extra, cfg.min_instances, cfg.max_instances)
     if last.warming == 0 and _covers(window, cfg.scale_down_timeout_s):
         calm = _since(window, cfg.scale_down_timeout_s)
-        sats = [_saturation([s], cfg) for s in calm]
+        sats = [_saturation([x for x in window if s.t - cfg.window_s < x.t <= s.t + 1e-12], cfg) for s in calm]
         if all(x is not None and x < cfg.scale_down_below for x in sats):
             want = max(1, math.ceil(needed - 1e-9))
             return _clamp(min(cur, want), cfg.min_instances, cfg.max_instances)

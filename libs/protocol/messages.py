@@ -749,12 +749,22 @@ class ModelLoad(BaseModel):
     ready_instances: int = Field(ge=0)
     last_request_at: float | None = None
     ttft_s: list[float] = []  # samples since the previous report
+    # The load-monitor's demand in tokens/s (libs.planning.demand): completion tokens streamed
+    # since the previous report, over GatewayMetrics.interval_s, plus the output tokens
+    # (max_tokens x n) the queued requests asked for.
+    tokens_generated: int = Field(0, ge=0)
+    queued_tokens: int = Field(0, ge=0)
+    # Per request finished since the previous report: (last token - first token) / (tokens - 1).
+    tpot_s: list[float] = []
 
 
 class GatewayMetrics(Message):
     gateway_id: str
     sent_at: float = Field(default_factory=time.time)
     models: list[ModelLoad]
+    # Seconds since this gateway's previous report: what the per-report deltas cover (None:
+    # an old sender, or the first report; no served rate then).
+    interval_s: float | None = Field(default=None, ge=0)
 
 
 class WorkerMetrics(Message):

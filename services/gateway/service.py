@@ -70,6 +70,10 @@ class ModelEntry:
     routes: ModelRoutes
     max_prompt_bytes: int  # a longer prompt cannot fit the context, whatever it tokenizes to
     ttft_samples: list[float] = field(default_factory=list)
+    # Since the last metrics report, for the load-monitor's demand (libs.planning.demand).
+    tpot_samples: list[float] = field(default_factory=list)
+    tokens_generated: int = 0
+    queued_tokens: int = 0  # output tokens (max_tokens x n) of the requests waiting for a slot (a level)
 
     @cached_property
     def token_strings(self) -> TokenStrings:
@@ -165,7 +169,7 @@ class Generation:
 
     async def __aiter__(self) -> AsyncIterator[Piece]:
         model = self.entry.info.name
-        last = None
+        last = first = None
         while not self.finished:
             timeout = self.gw.config.first_token_timeout_s if last is None else self.gw.config.token_timeout_s
             try:
@@ -200,11 +204,14 @@ class Generation:
                 TTFT.labels(model).observe(ttft)
                 self.entry.ttft_samples.append(ttft)
                 self.span.add_event("first_token")
+                first = now
             else:
                 ITL.labels(model).observe(now - last)
             last = now
             text = ""
             stops, detok = choice.stops, choice.detok
+            if ev.token_id is not None:
+                self.entry.tokens_generated += 1
             if ev.token_id is not None and not (ev.finished and ev.token_id in self.entry.eos_ids):
                 choice.completion_tokens += 1
                 GENERATED.labels(model).inc()
@@ -223,6 +230,9 @@ class Generation:
                 # With n > 1 the worker goes on with a choice ended by a stop string until its
                 # own end; what it sends for it is dropped above.
                 choice.finished = True
+                after_first = max(c.completion_tokens for c in self.choices) - 1  # the longest choice's
+                if self.finished and first is not None and after_first > 0:
+                    self.entry.tpot_samples.append((now - first) / after_first)
             if ev.token_id is not None or finish is not None:
                 # A chunk per token, its text possibly empty while held back (an incomplete
                 # character, a possible stop string), as vLLM streams: a client sees the first
@@ -288,6 +298,7 @@ class GatewayService(Service):
         self.ended = EndedInstances()
         self._adding: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._demand = asyncio.Event()
+        self._reported_at = time.monotonic()  # the previous metrics report: what its deltas cover
         self._attempts = itertools.count()  # GenerateRequest.attempt: unique per hand-off
         self._tokenizing = ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="tokenize")
         self._subscribe()
@@ -404,10 +415,13 @@ class GatewayService(Service):
             INSTANCES.labels(name).set(len(r.routes))
             loads.append(m.ModelLoad(model=name, queued=r.queued, in_flight=r.in_flight, arrivals=r.arrivals,
                                      ready_instances=len(r.routes), last_request_at=r.last_request_at,
-                                     ttft_s=e.ttft_samples))
-            r.arrivals, e.ttft_samples = 0, []
-        await publish(self.broker, subjects.METRICS_GATEWAY, m.GatewayMetrics(gateway_id=self.config.gateway_id,
-                                                                              models=loads))
+                                     ttft_s=e.ttft_samples, tpot_s=e.tpot_samples,
+                                     tokens_generated=e.tokens_generated, queued_tokens=e.queued_tokens))
+            r.arrivals, e.ttft_samples, e.tpot_samples, e.tokens_generated = 0, [], [], 0
+        now = time.monotonic()
+        interval, self._reported_at = now - self._reported_at, now
+        await publish(self.broker, subjects.METRICS_GATEWAY, m.GatewayMetrics(
+            gateway_id=self.config.gateway_id, models=loads, interval_s=interval))
 
     def _token_arrived(self, ev: m.TokenEvent) -> None:
         gen = self.streams.get(ev.request_id)
@@ -512,7 +526,14 @@ class GatewayService(Service):
         while failures < 3:
             with _tracer.start_as_current_span("gateway.queue", attributes={
                     "layercast.model": model, "layercast.attempt": failures, "layercast.refused": refused}) as queued:
-                route = await entry.routes.acquire(max(0.0, deadline - time.monotonic()), sampling.n, refused=refused)
+                # Counted while it waits (also if it gets a slot at once: a report in between sees no change).
+                owed = sampling.max_tokens * sampling.n
+                entry.queued_tokens += owed
+                try:
+                    route = await entry.routes.acquire(max(0.0, deadline - time.monotonic()), sampling.n,
+                                                       refused=refused)
+                finally:
+                    entry.queued_tokens -= owed
                 queued.set_attribute("layercast.instance", route.instance_id)
             self._demand.set()
             req = m.GenerateRequest(request_id=request_id, instance_id=route.instance_id, model=model,

@@ -1,7 +1,16 @@
 """Load-monitor: watches demand per model and asks the planner for a number
 of instances. The whole decision (windows, the deployment's policy, the
 hysteresis around it) is the pure state machine libs.planning.autoscale; this
-service feeds it metrics every tick and sends the ScaleRequests it returns."""
+service feeds it metrics every tick and sends the ScaleRequests it returns.
+
+Each tick's sample per model comes from the gateways' reports through
+libs.planning.demand.GatewayReports: requests queued and in flight, the demand
+in tokens/s (``load_tps`` = completion tokens streamed per second + the output
+tokens the queued requests asked for / ``drain_s``; the threshold policy's
+load) and the TTFT/TPOT observations reported since the previous tick (the SLO
+policy's), each in exactly one tick's sample. The scale-down delay is per
+deployment (policy parameter ``scale_down_delay_s``); ``scale_down_delay_s``
+here is the cluster's, for policies without a scale-down timeout of their own."""
 
 import logging
 import time
@@ -11,6 +20,7 @@ from opentelemetry.context import Context
 from prometheus_client import Counter, Gauge
 
 from libs.planning import autoscale
+from libs.planning.demand import GatewayReports, ModelReport
 from libs.planning.policies import MetricsSample
 from libs.protocol import messages as m
 from libs.protocol import subjects
@@ -22,6 +32,13 @@ log = logging.getLogger(__name__)
 
 DESIRED = Gauge("layercast_load_monitor_desired_instances", "Instances the policy asks for", ["model"])
 DEMAND = Gauge("layercast_load_monitor_demand_requests", "Queued plus in-flight requests", ["model"])
+LOAD = Gauge("layercast_load_monitor_demand_tokens_per_second",
+             "Demand in tokens/s: completion tokens streamed per second plus queued output tokens to drain",
+             ["model"])
+# The cluster's scale-in delay for policies without a scale-down timeout of their own
+# (concurrency): a few seconds, so a dip (a gateway restart, a lull between bursts) does not
+# flap 1 -> 2 -> 1.
+DEFAULT_SCALE_DOWN_DELAY_S = 5.0
 SCALE_REQUESTS = Counter("layercast_load_monitor_scale_requests_total", "Scale requests sent to the planner",
                          ["model", "direction"])
 _tracer = tracer("load_monitor")
@@ -36,11 +53,14 @@ class LoadMonitorService(Service):
     name = "load_monitor"
 
     def __init__(self, nats_url: str | None = None, tick_s: float = 0.1, window_s: float = 10.0,
-                 target_concurrency: int = 8, resend_s: float = 2.0, scale_down_delay_s: float = 0.0):
+                 target_concurrency: int = 8, resend_s: float = 2.0,
+                 scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S, drain_s: float = 1.0, gateway_stale_s: float = 5.0):
         super().__init__(nats_url)
         self.tick_s, self.window_s, self.resend_s = tick_s, window_s, resend_s
-        # A scale-in is asked for only once the policy has wanted it this long without a break
-        # (BlitzScale keeps it sub-second; longer damps flapping between bursts).
+        # A scale-in is asked for only once the policy has wanted it this long without a break,
+        # where the deployment's policy has no scale-down timeout of its own and the deployment
+        # sets no scale_down_delay_s (damps flapping between bursts; threshold keeps its own
+        # sub-second timeout).
         self.scale_down_delay_s = scale_down_delay_s
         self.target_concurrency = target_concurrency
         # The concurrency policy's target where a deployment sets none is the cluster's.
@@ -50,8 +70,9 @@ class LoadMonitorService(Service):
         self.models: dict[str, m.ModelInfo] = {}
         self.live: dict[str, tuple[str, m.InstanceState]] = {}  # instance_id -> (model, state)
         self.ended = EndedInstances()
-        # Latest report of each gateway, per model: several gateways add up.
-        self._gateways: dict[str, dict[str, m.ModelLoad]] = {}
+        # Latest report of each gateway, per model (several gateways add up), and the latency
+        # samples no tick has taken yet.
+        self.reports = GatewayReports(drain_s=drain_s, stale_s=gateway_stale_s)
         self._synced = False
         self._subscribe()
 
@@ -72,19 +93,20 @@ class LoadMonitorService(Service):
     def current_instances(self, model: str) -> int:
         return sum(1 for name, _ in self.live.values() if name == model)
 
-    def sample(self, name: str, now: float) -> MetricsSample:
-        loads = [g[name] for g in self._gateways.values() if name in g]
-        states = [state for model, state in self.live.values() if model == name]
-        return MetricsSample(t=now, ready=states.count(m.InstanceState.ready),
-                             warming=states.count(m.InstanceState.loading),
-                             in_flight=sum(x.queued + x.in_flight for x in loads))
-
     def observe(self, now: float) -> autoscale.Observation:
-        return autoscale.Observation({name: autoscale.ModelObservation(
-            sample=self.sample(name, now), current=self.current_instances(name), deployment=deployment(info),
-            last_requests=tuple(g[name].last_request_at for g in self._gateways.values()
-                                if name in g and g[name].last_request_at is not None))
-            for name, info in self.models.items()})
+        # Gateway reports are timed on this process's monotonic clock (a tick's `now` may be given).
+        received = time.monotonic()
+        self.reports.forget(self.models)
+        observed = {}
+        for name, info in self.models.items():
+            demand = self.reports.take(name, received)
+            states = [state for model, state in self.live.values() if model == name]
+            sample = MetricsSample(t=now, ready=states.count(m.InstanceState.ready),
+                                   warming=states.count(m.InstanceState.loading), load_tps=demand.load_tps,
+                                   in_flight=demand.requests, ttft_s=demand.ttft_s, tpot_s=demand.tpot_s)
+            observed[name] = autoscale.ModelObservation(sample=sample, current=self.current_instances(name),
+                                                        deployment=deployment(info), last_requests=demand.last_requests)
+        return autoscale.Observation(observed)
 
     async def tick(self, now: float | None = None) -> None:
         now = now or time.time()
@@ -93,6 +115,8 @@ class LoadMonitorService(Service):
         for name, s in self.state.models.items():
             DESIRED.labels(name).set(s.desired)
             DEMAND.labels(name).set(s.demand)
+            if s.samples:
+                LOAD.labels(name).set(s.samples[-1].load_tps)
         for d in decisions:
             log.info("scale %s: %d -> %d (%s)", d.model, d.current, d.desired, d.reason)
             SCALE_REQUESTS.labels(d.model, d.direction).inc()
@@ -113,7 +137,12 @@ class LoadMonitorService(Service):
         @b.subscriber(subjects.METRICS_GATEWAY)
         @on_event(m.GatewayMetrics)
         async def gateway_metrics(ev: m.GatewayMetrics) -> None:
-            self._gateways[ev.gateway_id] = {x.model: x for x in ev.models}
+            self.reports.add(ev.gateway_id, time.monotonic(), (
+                (x.model, ModelReport(queued=x.queued, in_flight=x.in_flight, tokens_generated=x.tokens_generated,
+                                      queued_tokens=x.queued_tokens, interval_s=ev.interval_s,
+                                      last_request_at=x.last_request_at, ttft_s=tuple(x.ttft_s),
+                                      tpot_s=tuple(x.tpot_s)))
+                for x in ev.models))
             if any(x.queued and x.ready_instances == 0 for x in ev.models):
                 await self.tick()  # demand for a cold model: act now, not at the next tick
 

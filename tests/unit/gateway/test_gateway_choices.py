@@ -74,7 +74,7 @@ async def test_a_hand_over_resumes_the_unfinished_choices_from_their_own_tokens(
     gw = SimpleNamespace(config=gateway.GatewayConfig(first_token_timeout_s=2, token_timeout_s=2), dispatch=dispatch,
                          workers=workers, streams={})
     entry = SimpleNamespace(info=SimpleNamespace(name="m"), tokenizer=_Tokenizer(), eos_ids=[], routes=routes,
-                            ttft_samples=[])
+                            ttft_samples=[], tpot_samples=[], tokens_generated=0)
     old = await routes.acquire(1, weight=2)
     routes.add("new", "w2")
     gen = gateway.Generation(gw, entry, old, "r", [5, 6], m.SamplingSpec(n=2, max_tokens=4), [], 0.0,
@@ -91,5 +91,8 @@ async def test_a_hand_over_resumes_the_unfinished_choices_from_their_own_tokens(
     assert text == {0: "acad", 1: "bd"}
     assert [(p.index, p.finish_reason) for p in pieces if p.finish_reason] == [(1, "length"), (0, "length")]
     assert gen.completion_tokens == 6 and pieces[-1].completion_tokens == 6
+    # The load-monitor's report: each token streamed counts once (not the dropped repeats), and
+    # the finished request gives one TPOT sample.
+    assert entry.tokens_generated == 6 and len(entry.tpot_samples) == 1 and len(entry.ttft_samples) == 1
     await gen.close()
     assert routes.routes["old"].in_flight == 0 and routes.routes["new"].in_flight == 0

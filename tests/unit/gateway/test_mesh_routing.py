@@ -363,7 +363,7 @@ async def _moved_three_times(preempted: bool) -> tuple[str, list[list[int]]]:
     gw = SimpleNamespace(config=GatewayConfig(first_token_timeout_s=2, token_timeout_s=2), dispatch=dispatch,
                          workers=InMemoryWorkerClient(), streams={})
     entry = SimpleNamespace(info=SimpleNamespace(name="m"), tokenizer=_Letters(), eos_ids=[], routes=routes,
-                            ttft_samples=[])
+                            ttft_samples=[], tpot_samples=[], tokens_generated=0)
     routes.routes["i0"].in_flight += 1
     gen = gateway.Generation(gw, entry, routes.routes["i0"], "r", [5], m.SamplingSpec(max_tokens=4), [], 0.0,
                              SimpleNamespace(add_event=lambda *a, **k: None, set_attribute=lambda *a: None,

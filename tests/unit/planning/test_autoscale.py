@@ -1,5 +1,6 @@
 """Tests for the load-monitor's state machine (libs/planning/autoscale.py)."""
 
+import dataclasses
 import math
 from typing import get_args
 
@@ -18,6 +19,7 @@ from libs.planning.autoscale import (
     ScaleDecision,
     check_policy,
     policy_config,
+    scale_down_delay,
     step,
 )
 from libs.planning.policies import (
@@ -103,6 +105,50 @@ def test_scale_in_waits_out_the_delay_and_a_break_restarts_it() -> None:
     state, out = run(state, [(2.0, 1, 3)], dep, last=(0.0,))
     assert [(t, d.desired, d.direction) for t, d in out] == [(2.0, 1, "down")]
     assert out[0][1].reason == "idle for 2.0s (keep-alive 60.0s)"
+
+
+def test_a_deployment_sets_its_own_scale_down_delay() -> None:
+    cfg = AutoscaleConfig(scale_down_delay_s=5.0, window_s=0.3, defaults={"concurrency": {"target": 1}})
+    windows = {"stable_s": 0.05, "panic_s": 0.05}
+    ticks = [(i * 0.1, 1, 3) for i in range(10)]  # the policy wants 1 of 3 from t=0
+    # The cluster's delay: nothing within a second.
+    _, out = run(AutoscaleState(cfg), ticks, Deployment(0, 4, params=windows), last=(0.0,))
+    assert out == []
+    # The deployment's own 0.2 s: the scale-in at 0.2 s.
+    _, out = run(AutoscaleState(cfg), ticks, Deployment(0, 4, params={**windows, "scale_down_delay_s": 0.2}),
+                 last=(0.0,))
+    assert [(round(t, 1), d.desired, d.direction) for t, d in out] == [(0.2, 1, "down")]
+
+
+def test_threshold_keeps_its_sub_second_timeout_under_the_clusters_delay() -> None:
+    # The cluster damps concurrency deployments for 5 s; a threshold deployment's own 0.5 s
+    # timeout is its whole hysteresis.
+    cfg = AutoscaleConfig(scale_down_delay_s=5.0, window_s=10.0)
+    dep = Deployment(0, 4, policy="threshold", params={"capacity_tps": 100.0, "scale_down_timeout_s": 0.5})
+    assert scale_down_delay(dep, cfg) == 0.0
+    assert scale_down_delay(Deployment(policy="slo", params={"ttft_slo_s": 1, "tpot_slo_s": 1}), cfg) == 0.0
+    assert scale_down_delay(Deployment(policy="concurrency"), cfg) == 5.0
+    assert scale_down_delay(dataclasses.replace(dep, params={**dep.params, "scale_down_delay_s": 2.0}), cfg) == 2.0
+    state, out = AutoscaleState(cfg), []
+    # 3 instances at 150 tok/s (over the upper bound for 1), then 40 tok/s (under the lower bound
+    # per instance, with a request in flight): the policy wants 1 once 0.5 s of calm has passed.
+    for i in range(30):
+        t = i * 0.1
+        load = 150.0 if t < 1.0 else 40.0
+        state, decisions = step(state, obs(t, 1, 3, dep, load_tps=load), t)
+        out += [(round(t, 1), d) for d in decisions]
+    assert [(t, d.desired, d.direction) for t, d in out] == [(1.5, 1, "down")]
+    assert out[0][1].reason == "load 40.0 tokens/s, 1 queued or in flight"
+
+
+def test_every_policy_accepts_a_scale_down_delay() -> None:
+    required = {"threshold": {"capacity_tps": 100.0}, "slo": {"ttft_slo_s": 1.0, "tpot_slo_s": 0.1}}
+    for name in POLICIES:
+        params = {**required.get(name, {}), "scale_down_delay_s": 0.2}
+        check_policy(name, params)
+        assert "scale_down_delay_s" in POLICIES[name].params
+        with pytest.raises(ValueError, match="scale_down_delay_s"):
+            check_policy(name, {**params, "scale_down_delay_s": -1.0})
 
 
 def test_window_is_trimmed_and_models_come_and_go() -> None:
@@ -225,7 +271,8 @@ def scenarios(draw):  # type: ignore[no-untyped-def]
                              scale_down_delay_s=draw(st.sampled_from([0.0, 0.3, 1.0, 3.0])),
                              resend_s=draw(st.sampled_from([0.0, 0.5, 2.0])),
                              defaults={"concurrency": {"target": draw(st.integers(1, 8))}})
-    params = draw(st.sampled_from([{}, {"stable_s": 1.0, "panic_s": 0.2}, {"target": 2.0}]))
+    params = draw(st.sampled_from([{}, {"stable_s": 1.0, "panic_s": 0.2}, {"target": 2.0},
+                                   {"scale_down_delay_s": 0.2}, {"target": 2.0, "scale_down_delay_s": 4.0}]))
     dep = Deployment(lo, hi, keep_alive_s=draw(st.sampled_from([0.0, 0.5, 5.0])), params=params)
     ticks, t = [], draw(st.floats(0, 1000))
     for _ in range(draw(st.integers(1, 60))):
@@ -277,7 +324,7 @@ def test_scale_in_only_after_the_delay_without_a_break(scenario) -> None:  # typ
         j = i
         while j > 0 and history[j - 1][2] < history[j - 1][1]:
             j -= 1
-        assert t - history[j][0] >= config.scale_down_delay_s - 1e-9
+        assert t - history[j][0] >= scale_down_delay(dep, config) - 1e-9
 
 
 @settings(max_examples=150, deadline=None)

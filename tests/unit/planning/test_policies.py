@@ -63,10 +63,44 @@ def test_threshold_invariants(loads: list[float], ready: int) -> None:
     assert 0 <= d <= 16
     recent = loads[-10:]  # average_s = 1 s of 100 ms samples, half-open window
     need = math.ceil(sum(recent) / len(recent) / 800 - 1e-9)
+    if ready == 0 and loads[-1] > 0:
+        need = max(need, 1)  # any load with no instance asks for one
     if d > ready:  # scaled up: exactly enough (capped) for the recent average at the upper bound
         assert d == min(16, need)
     elif need > ready and ready < 16:
         pytest.fail("demand above the upper bound must scale up")
+
+
+def test_threshold_scales_from_zero_on_the_first_request() -> None:
+    # One small request with no instance: far under the upper bound, still one instance at once.
+    assert threshold_policy(window([16.0], ready=0), CFG) == 1
+    # Queued with no load reported yet (e.g. max_tokens unknown): one instance too.
+    assert threshold_policy(window([0.0], ready=0, in_flight=1), CFG) == 1
+    assert threshold_policy(window([0.0], ready=0), CFG) == 0
+    assert threshold_policy(window([16.0], ready=0), ThresholdPolicy(1000.0, max_instances=0)) == 0
+
+
+def test_threshold_keeps_an_instance_while_requests_run() -> None:
+    # Under the lower bound for the whole timeout, but a request still runs: not to zero.
+    assert threshold_policy(window([0.0] * 10, ready=2, in_flight=1), CFG) == 1
+    assert threshold_policy(window([0.0] * 10, ready=2, in_flight=0), CFG) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    loads=st.lists(st.floats(min_value=0, max_value=20000), min_size=1, max_size=30),
+    in_flight=st.lists(st.integers(min_value=0, max_value=5), min_size=1, max_size=30),
+    ready=st.integers(min_value=0, max_value=20),
+    max_instances=st.integers(min_value=1, max_value=16),
+)
+def test_threshold_serves_demand_with_at_least_one_instance(loads: list[float], in_flight: list[int], ready: int,
+                                                            max_instances: int) -> None:
+    # Invariant: load or requests at the last sample never leave the model without an instance.
+    n = min(len(loads), len(in_flight))
+    w = [MetricsSample(t=i * 0.1, ready=ready, load_tps=loads[i], in_flight=in_flight[i]) for i in range(n)]
+    d = threshold_policy(w, ThresholdPolicy(capacity_tps=1000.0, max_instances=max_instances))
+    if w[-1].load_tps > 0 or w[-1].in_flight > 0:
+        assert d >= 1
 
 
 # ---------------------------------------------------------------------------
@@ -135,6 +169,18 @@ def test_slo_scale_down_and_idle() -> None:
     assert slo_policy(idle[:3], cfg) == 2
     # Queued requests and no instance at all: ask for one.
     assert slo_policy([MetricsSample(t=0.0, ready=0, in_flight=3)], cfg) == 1
+
+
+def test_slo_scales_down_under_light_load_where_most_ticks_observe_nothing() -> None:
+    # 0.1 s ticks, one request's TTFT/TPOT every 0.5 s at saturation 0.2, on 8 instances: the
+    # saturation over window_s (2 s) stays 0.2 through the timeout, so 8 · 0.2 / 0.8 = 2.
+    cfg = SloPolicy(ttft_slo_s=1.0, tpot_slo_s=0.1, scale_down_timeout_s=2.0, window_s=2.0)
+    w = [MetricsSample(t=i * 0.1, ready=8, in_flight=1, ttft_s=(0.2,) if i % 5 == 0 else (),
+                       tpot_s=(0.02,) if i % 5 == 0 else ()) for i in range(50)]
+    assert slo_policy(w, cfg) == 2
+    # A saturated observation inside the timeout keeps them all.
+    hot = [*w[:45], MetricsSample(t=4.5, ready=8, in_flight=1, ttft_s=(0.9,)), *w[46:]]
+    assert slo_policy(hot, cfg) == 8
 
 
 def test_percentile() -> None:
