@@ -7,19 +7,19 @@ fixed and k varying between batches; the front's KV slots are all free at the en
 from __future__ import annotations
 
 import itertools
+import sys
+from pathlib import Path
 
 import pytest
 from conftest_models import load_all
 
-from libs.engine import Engine, LayerRange, SamplingSpec
+from libs.engine import Engine, LayerRange
 from libs.engine.livepair import PrefillFront
 
-pytestmark = pytest.mark.gpu
+sys.path.append(str(Path(__file__).parents[1] / "unit" / "engine"))
+from test_engine_livepair import PROMPTS, staggered  # noqa: E402  (the CPU test's prompts and arrival order)
 
-# Different lengths, some longer than a prefill chunk (4), arriving over several steps.
-PROMPTS = [[1, 17, 200, 45, 301, 99, 7, 450, 12, 64], [5, 6], [300, 2, 9, 44, 81, 7, 120], list(range(3, 30)),
-           [8, 9, 10, 11]]
-GREEDY = SamplingSpec(temperature=0, max_tokens=8)
+pytestmark = pytest.mark.gpu
 
 
 def _source(block_dir, device) -> Engine:
@@ -27,24 +27,9 @@ def _source(block_dir, device) -> Engine:
                                   eos_token_ids=())
 
 
-def _staggered(engine: Engine) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", p, GREEDY)
-        if i % 2:
-            for o in engine.step():
-                out.setdefault(o.request_id, []).append(o.token_id)
-    for _ in range(500):
-        if not engine.has_work():
-            return out
-        for o in engine.step():
-            out.setdefault(o.request_id, []).append(o.token_id)
-    raise AssertionError("engine did not finish")
-
-
 @pytest.mark.parametrize("splits", [(1,), (1, 2, 0, 2)], ids=["k=1", "k-varies"])
 def test_a_split_prefill_on_the_device_gives_the_tokens_of_the_source_alone(block_dir, device, splits):
-    alone = _staggered(_source(block_dir, device))
+    alone = staggered(_source(block_dir, device))
     index, own = load_all(block_dir)  # the target's own copy of the weights
     front = PrefillFront(LayerRange(index, own, device=device), slots=8, max_seq_len=64)
     assert all(t.device.type == device.type for t in front.kv.keys)
@@ -57,6 +42,6 @@ def test_a_split_prefill_on_the_device_gives_the_tokens_of_the_source_alone(bloc
         return decided[-1]
 
     engine.pair_with(front, splitter)
-    assert _staggered(engine) == alone
+    assert staggered(engine) == alone
     assert {k for k in decided if k} == {k for k in splits if k}
     assert front.passes >= len(PROMPTS) and front.kv.free_slots == front.kv.slots  # nothing left on the target
