@@ -18,6 +18,7 @@ from libs.bus.broker import call, publish
 from libs.checkpoint import CheckpointIndex
 from libs.protocol import messages as m
 from libs.protocol import subjects
+from services.gateway.workers import NatsWorkerClient
 from services.planner.service import PlannerService
 from services.worker.service import WorkerConfig, WorkerService
 from test_registry import client, collect, started  # noqa: F401 - the client fixture
@@ -44,6 +45,22 @@ async def until_view(client, condition, timeout_s: float, what: str) -> m.Cluste
                                  f"{[(i.instance_id, i.mode, i.state.value, i.loaded_at) for i in v.instances]} "
                                  f"{[(o.direction, o.state, o.plan) for o in v.scale_ops]}")
         await asyncio.sleep(0.1)
+
+
+async def generate(client, worker: str, instance: str, request_id: str) -> list[m.TokenEvent]:  # noqa: F811
+    """A short greedy request straight to `instance` on `worker` (as the gateway sends it); its tokens."""
+    tokens: list[m.TokenEvent] = []
+    sub = await collect(client, subjects.tokens("gw-prune", request_id), m.TokenEvent, tokens)
+    try:
+        gateway = NatsWorkerClient(client, gateway_id="gw-prune")
+        await gateway.generate(worker, m.GenerateRequest(
+            request_id=request_id, instance_id=instance, model=MODEL, prompt_ids=[1, 17, 200, 45],
+            sampling=m.SamplingSpec(temperature=0, max_tokens=4), reply_subject=gateway.reply_subject(request_id)),
+            timeout_s=5.0)
+        await until(lambda: any(t.finished for t in tokens), 30)
+    finally:
+        await sub.stop()
+    return tokens
 
 
 def host_copies(v: m.ClusterView, n_blocks: int) -> set[str]:
@@ -108,6 +125,10 @@ async def test_a_chain_scale_out_sends_nothing_from_a_source_serving_a_pipeline_
             # The planner reads the same view: the pipeline's stages are there, on w-a and w-c.
             (served,) = [i for i in before.instances if i.instance_id == PIPELINE]
             assert served.mode == "pipeline" and [s.worker_id for s in served.stages] == [A, C], served
+            # It serves: a request through it runs block 0 on w-a, block 1 on w-c.
+            tokens = await generate(client, A, PIPELINE, "through-the-pipeline")
+            assert [t.finish_reason for t in tokens if t.finished] == ["length"], tokens
+            assert all(t.error is None for t in tokens) and sum(t.token_id is not None for t in tokens) == 4, tokens
 
         planner = PlannerService(nats_url)
         await planner.start()
