@@ -321,7 +321,8 @@ def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: in
     by = {r["mode"]: r for r in results}
     comparison = {}
     if "layercast" in by and by["layercast"]["all_ready_s"]:
-        for other in ("serverlessllm", "faasnet", "binomial", "chain", "chain-blind", "ideal"):
+        for other in ("serverlessllm", "faasnet", "binomial", "chain", "chain-blind", "blitzscale", "blitzscale-nopairs",
+                      "ideal"):
             if other in by and by[other]["all_ready_s"]:
                 comparison[f"{other}_over_layercast_all_ready"] = by[other]["all_ready_s"] / by["layercast"]["all_ready_s"]
     if burst and "layercast" in by:

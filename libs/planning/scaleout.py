@@ -155,14 +155,25 @@ class ModeSpec:
     # BlitzScale §5.2: a scale-out pairs the model's serving instances with chain targets still
     # receiving it (plan_live_pairs); the targets load stop-the-world (serve_while_loading=False).
     live_pairs: bool = False
+    # The load-monitor's policy a deployment of this mode gets when it names none (deploy_policy),
+    # with these parameters where it gives none; None: the deploy's own default (concurrency).
+    default_policy: str | None = None
+    default_policy_params: Mapping[str, float] = field(default_factory=dict)
 
+
+# BlitzScale §5.3's policy needs the tokens/s one instance sustains, profiled offline: where a
+# blitzscale deployment gives none, this (output tokens/s; the demo model on one CPU worker
+# sustains about this much). Profile yours and pass --policy-param capacity_tps=N.
+BLITZSCALE_CAPACITY_TPS = 200.0
+_BLITZSCALE_POLICY = {"default_policy": "threshold", "default_policy_params": {"capacity_tps": BLITZSCALE_CAPACITY_TPS}}
 
 MODES: dict[str, ModeSpec] = {
     "layercast": ModeSpec(multicast=_earliest_capacity, pipelines=True),
     "chain": ModeSpec(multicast=_every_source("chain")),  # topology-aware chains (libs.planning.chain)
     "chain-blind": ModeSpec(multicast=_every_source("chain-blind")),  # the same, blind to leaves: the baseline
-    "blitzscale": ModeSpec(multicast=_every_source("chain"), serve_while_loading=False, live_pairs=True),
-    "blitzscale-nopairs": ModeSpec(multicast=_every_source("chain"), serve_while_loading=False),
+    "blitzscale": ModeSpec(multicast=_every_source("chain"), serve_while_loading=False, live_pairs=True,
+                           **_BLITZSCALE_POLICY),
+    "blitzscale-nopairs": ModeSpec(multicast=_every_source("chain"), serve_while_loading=False, **_BLITZSCALE_POLICY),
     "binomial": ModeSpec(multicast=_every_source("binomial"), serve_while_loading=False),
     "faasnet": ModeSpec(multicast=_one_source("binary-tree")),
     "serverlessllm": ModeSpec(keeps_pool=False, serve_while_loading=False, host_keep_alive_on_scale_in=True),
@@ -176,6 +187,18 @@ def mode_spec(mode: str) -> ModeSpec:
         return MODES[mode]
     except KeyError:
         raise ValueError(f"unknown scaling mode {mode!r}; choose from {', '.join(MODES)}") from None
+
+
+def deploy_policy(scaling_mode: str, policy: str | None, params: Mapping[str, float]) -> tuple[str, dict[str, float]]:
+    """The scaling policy and parameters a deployment gets: those it names; where it names no
+    policy, its mode's default (blitzscale: BlitzScale's threshold policy, with
+    BLITZSCALE_CAPACITY_TPS unless it gives capacity_tps), else concurrency."""
+    if policy is not None:
+        return policy, dict(params)
+    spec = mode_spec(scaling_mode)
+    if spec.default_policy is None:
+        return "concurrency", dict(params)
+    return spec.default_policy, {**spec.default_policy_params, **params}
 
 
 def scaleout_choice(mode: str, n_sources: int, n_targets: int, model_bytes: int, n_blocks: int,
