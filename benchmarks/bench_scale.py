@@ -216,7 +216,10 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
              kv_cache_gb: float = KV_CACHE_GB, burst: int = 0) -> dict:
     with mode_cluster(mode, workers=workers, model_path=model_path, state_dir=state_dir, emulate=emulate,
                       profile=profile, min_instances=from_n, max_instances=workers, keep_alive_s=3600,
-                      scale_down_delay_s=3600, ready_timeout_s=timeout_s, kv_cache_gb=kv_cache_gb) as h:
+                      scale_down_delay_s=3600, ready_timeout_s=timeout_s, kv_cache_gb=kv_cache_gb,
+                      # The benchmark takes the decision: every mode the same policy, held back by the
+                      # delay above (blitzscale's default, threshold, would scale in after 0.5 s idle).
+                      policy="concurrency") as h:
         info = h.describe()
         block_bytes = [b["nbytes"] for b in sorted(info["blocks"], key=lambda b: b["block_id"])]
         model_bytes = sum(block_bytes)
