@@ -19,7 +19,7 @@ restarted planner resumes (:func:`resume_plan`), the pool-fill throttle
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
@@ -826,7 +826,7 @@ def _pair_state(op: ScaleOp, target_iid: str, state: str) -> ScaleOp:
     return dataclasses.replace(op, pairs=_frozen(pairs))
 
 
-def _end_pairs(op: ScaleOp, which) -> ScaleOp:
+def _end_pairs(op: ScaleOp, which: Callable[[PairWatch], bool]) -> ScaleOp:
     for iid, pair in op.pairs.items():
         if pair.open and which(pair):
             op = _pair_state(op, iid, "ended")

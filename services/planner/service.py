@@ -434,9 +434,13 @@ class PlannerService(Service):
 
     async def on_instance(self, ev: m.InstanceEvent) -> None:
         self.views.mark_stale()
-        op_id = self._op_of_instance(ev.instance.instance_id, ev.instance.scale_op_id)
+        iid = ev.instance.instance_id
+        op_id = self._op_of_instance(iid, ev.instance.scale_op_id)
         if op_id is not None:
             await self.feed(op_id, so.InstanceReported(ev.instance))
+        # A serving instance's own operation is not the one that paired it: that one hears it too.
+        for other in [i for i, op in self.ops.items() if i != op_id and so.concerns(op, iid)]:
+            await self.feed(other, so.InstanceReported(ev.instance))
 
     async def on_block(self, ev: m.BlockEvent) -> None:
         if ev.scale_op_id in self.ops:

@@ -538,3 +538,39 @@ def test_a_source_in_a_live_pair_is_pruned_as_a_chain_source_and_not_paired_agai
     assert plan.senders == ("w1",) and all(chain[0] == "w1" for chain in _chains(plan))
     assert [p.source_instance for p in plan.live_pairs] == ["i1"]
     assert plan_scale_out(_blitz_view(), _request(5), load={"w1": 3}).senders == ("w0", "w1")
+
+
+@st.composite
+def _pairing_views(draw):
+    """blitzscale views on 3-9 workers: some serve (loaded or not), 1-3 hold the copy, some are
+    already in live pairs; any TTFT SLO."""
+    n = draw(st.integers(3, 9))
+    workers = [_placed(f"w{i}", f"leaf-{draw(st.integers(0, 1))}") for i in range(n)]
+    holders = [f"w{i}" for i in range(draw(st.integers(1, n - 1)))]
+    instances = [_loaded_instance(f"i{i}", w) if draw(st.booleans()) else _instance(f"i{i}", w)
+                 for i, w in enumerate(holders)]
+    pairs = [m.LivePairInfo(source_instance=i.instance_id, source_worker=i.entry_worker, target_instance="x",
+                            target_worker=f"w{n - 1}") for i in instances if draw(st.booleans())][:1]
+    model = _model("blitzscale", max_instances=n).model_copy(
+        update={"ttft_slo_s": draw(st.sampled_from([1e-4, 0.01, None]))})
+    view = _view(workers, [model], [r for w in holders for r in _copy(w)], instances)
+    return view.model_copy(update={"live_pairs": pairs}), draw(st.integers(len(holders) + 1, n))
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=_pairing_views())
+def test_live_pairs_join_an_unpaired_serving_source_and_a_chain_receiver_one_pair_each(case):
+    view, desired = case
+    plan = plan_scale_out(view, _request(desired))
+    if plan is None or not plan.live_pairs:
+        return
+    serving = {i.instance_id: i.entry_worker for i in view.instances if i.loaded_at is not None}
+    busy = live_pair_workers(view)
+    sources = [p.source_instance for p in plan.live_pairs]
+    targets = [p.target_worker for p in plan.live_pairs]
+    assert len(set(sources)) == len(sources) and len(set(targets)) == len(targets)
+    for p in plan.live_pairs:
+        assert serving.get(p.source_instance) == p.source_worker and p.source_worker not in busy
+        assert p.target_worker in plan.receivers and p.target_worker not in busy
+        assert p.target_worker != p.source_worker
+    assert all(not load.serve_while_loading for load in plan.loads)
