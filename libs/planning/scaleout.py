@@ -161,9 +161,9 @@ class ModeSpec:
     default_policy_params: Mapping[str, float] = field(default_factory=dict)
 
 
-# BlitzScale §5.3's policy needs the tokens/s one instance sustains, profiled offline: where a
-# blitzscale deployment gives none, this (output tokens/s; the demo model on one CPU worker
-# sustains about this much). Profile yours and pass --policy-param capacity_tps=N.
+# BlitzScale §5.3's policy needs the output tokens/s one instance sustains, profiled offline:
+# where a blitzscale deployment gives none, this placeholder (not measured for any model; the
+# value README's threshold examples use). Profile yours and pass --policy-param capacity_tps=N.
 BLITZSCALE_CAPACITY_TPS = 200.0
 _BLITZSCALE_POLICY = {"default_policy": "threshold", "default_policy_params": {"capacity_tps": BLITZSCALE_CAPACITY_TPS}}
 
