@@ -98,3 +98,29 @@ async def test_while_a_pair_is_open_its_source_is_not_a_chain_source_another_one
     await planner.reconcile(m.ScaleRequest(model="m", desired_instances=4, reason="more load"))
     senders = {s.worker_id for s in workers.of(m.TransferPart)[before:] if s.cmd.sends}
     assert senders and "w0" not in senders
+
+
+async def test_a_source_that_is_still_a_target_of_an_open_operation_ends_the_pair_of_the_operation_that_paired_it():
+    """Op A (1 -> 3) pairs i0 with one target; its other target loads and serves while A waits for
+    the paired one. Op B (3 -> 4) pairs that loaded target with its own target. The loaded
+    target's events go to A (it is A's target) and to B (it is B's pair source)."""
+    view = _blitz_view()
+    view = view.model_copy(update={
+        "workers": view.workers + [view.workers[0].model_copy(update={"worker_id": "w4", "data_address": "w4:7000"})],
+        "models": [view.models[0].model_copy(update={"max_instances": 5})]})
+    registry, workers = InMemoryRegistry(view), InMemoryWorkers()
+    planner = PlannerService(registry=registry, workers=workers, timers=so.Timers())
+    op_a = await planner.reconcile(m.ScaleRequest(model="m", desired_instances=3, reason="load"))
+    (pair_a,) = so.open_live_pairs(planner.ops.values())
+    loads = _loads(workers)
+    (free_worker,) = [w for w in loads if w != pair_a.target_worker]
+    await planner.on_instance(_loaded(registry, loads[free_worker], free_worker))
+    assert planner.ops[op_a.scale_op_id].state == "running"  # its paired target still loads
+
+    op_b = await planner.reconcile(m.ScaleRequest(model="m", desired_instances=4, reason="more load"))
+    pair_b = next(p for p in so.open_live_pairs(planner.ops.values()) if p.scale_op_id == op_b.scale_op_id)
+    assert pair_b.source_instance == loads[free_worker].instance_id  # i0 is paired already
+
+    draining = _instance(pair_b.source_instance, free_worker, m.InstanceState.draining)
+    await planner.on_instance(m.InstanceEvent(instance=draining.model_copy(update={"scale_op_id": op_a.scale_op_id})))
+    assert [p.scale_op_id for p in so.open_live_pairs(planner.ops.values())] == [op_a.scale_op_id]
