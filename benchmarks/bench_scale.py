@@ -216,7 +216,10 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
              kv_cache_gb: float = KV_CACHE_GB, burst: int = 0) -> dict:
     with mode_cluster(mode, workers=workers, model_path=model_path, state_dir=state_dir, emulate=emulate,
                       profile=profile, min_instances=from_n, max_instances=workers, keep_alive_s=3600,
-                      scale_down_delay_s=3600, ready_timeout_s=timeout_s, kv_cache_gb=kv_cache_gb) as h:
+                      scale_down_delay_s=3600, ready_timeout_s=timeout_s, kv_cache_gb=kv_cache_gb,
+                      # The benchmark takes the decision: every mode the same policy, held back by the
+                      # delay above (blitzscale's default, threshold, would scale in after 0.5 s idle).
+                      policy="concurrency") as h:
         info = h.describe()
         block_bytes = [b["nbytes"] for b in sorted(info["blocks"], key=lambda b: b["block_id"])]
         model_bytes = sum(block_bytes)
@@ -321,7 +324,8 @@ def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: in
     by = {r["mode"]: r for r in results}
     comparison = {}
     if "layercast" in by and by["layercast"]["all_ready_s"]:
-        for other in ("serverlessllm", "faasnet", "binomial", "chain", "chain-blind", "ideal"):
+        for other in ("serverlessllm", "faasnet", "binomial", "chain", "chain-blind", "blitzscale", "blitzscale-nopairs",
+                      "ideal"):
             if other in by and by[other]["all_ready_s"]:
                 comparison[f"{other}_over_layercast_all_ready"] = by[other]["all_ready_s"] / by["layercast"]["all_ready_s"]
     if burst and "layercast" in by:

@@ -24,10 +24,11 @@ def admin_request(target: AdminTarget, method: str, path: str, body: dict | None
 
 def deploy_model(target: AdminTarget, name: str, path: Path, min_instances: int = 0,
                  max_instances: int = 4, keep_alive_s: float = 60.0, scaling_mode: str = "layercast",
-                 policy: str = "concurrency", policy_params: dict[str, float] | None = None,
+                 policy: str | None = None, policy_params: dict[str, float] | None = None,
                  ttft_slo_s: float | None = None, tpot_slo_s: float = 0.25) -> dict:
     """Deploy a block checkpoint (PATH as the workers see it); a model already deployed under NAME is
-    returned as it is. A refusal raises ClusterError with the gateway's message."""
+    returned as it is. A refusal raises ClusterError with the gateway's message. `policy` None: the
+    scaling mode's default (threshold for blitzscale, concurrency otherwise)."""
     r = admin_request(target, "POST", "/admin/v1/models", {
         "name": name, "path": str(path.resolve()), "min_instances": min_instances, "max_instances": max_instances,
         "keep_alive_s": keep_alive_s, "scaling_mode": scaling_mode, "policy": policy,

@@ -80,6 +80,7 @@ class Serving:
     queue_wait_s: float
     slo_s: float
     paired: bool = False
+    load: int = 0  # running requests on its worker: among equally overloaded sources, the busiest pairs first
 
     @property
     def overloaded(self) -> bool:
@@ -109,7 +110,7 @@ def choose_live_pairs(serving: Sequence[Serving], receiving: Sequence[Receiving]
     criterion (1)); the most overloaded sources first, each taking the slowest target left (the
     chain's tail). An instance is in one pair at most; never two instances of one worker."""
     sources = sorted((s for s in serving if s.overloaded and not s.paired),
-                     key=lambda s: (-(s.queue_wait_s - s.slo_s), s.instance_id))
+                     key=lambda s: (-(s.queue_wait_s - s.slo_s), -s.load, s.instance_id))
     free = [r for r in receiving if not r.paired]
     pairs: list[LivePair] = []
     for src in sources:

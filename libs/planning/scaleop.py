@@ -19,7 +19,7 @@ restarted planner resumes (:func:`resume_plan`), the pool-fill throttle
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
@@ -29,11 +29,12 @@ from libs.planning.scaleout import ScaleIn, ScalePlan, target_load
 from libs.protocol import messages as m
 
 __all__ = [
-    "Timers", "Target", "PipelineWatch", "ScaleOp", "Outcome",
+    "Timers", "Target", "PipelineWatch", "PairWatch", "ScaleOp", "Outcome",
     "Event", "PartsAnswered", "InstanceCreated", "LoadAnswered", "InstanceReported", "BlockReported",
-    "PipelineRegistered", "PipelineStartAnswered", "SwitchAnswered", "DrainAnswered", "WorkerLost", "Tick",
-    "Effect", "Record", "SendParts", "CancelParts", "CreateInstance", "SendLoad", "Announce", "FormPipeline",
-    "StartPipeline", "SwitchPipeline", "UnloadStages", "Drain", "CheckInstances", "Ended", "Trace", "Log",
+    "PipelineRegistered", "PipelineStartAnswered", "SwitchAnswered", "DrainAnswered", "PairAnswered", "WorkerLost",
+    "Tick", "Effect", "Record", "SendParts", "CancelParts", "CreateInstance", "SendLoad", "Announce", "FormPipeline",
+    "StartPipeline", "SwitchPipeline", "UnloadStages", "Drain", "FormPair", "CheckInstances", "Ended", "Trace", "Log",
+    "open_live_pairs",
     "open_scale_up", "open_scale_down", "resume", "resume_plan", "step", "outcome_of", "measured_load_s", "concerns",
     "PoolFills", "admit_pool_fill", "forget_pool_model", "plan_part_id",
 ]
@@ -94,6 +95,24 @@ class PipelineWatch:
 
 
 @dataclass(frozen=True)
+class PairWatch:
+    """A live pair (BlitzScale §5.2) the operation forms: a serving instance of the model and one
+    of its targets still receiving it. planned -> forming (FormLivePair sent, once the target's
+    load is accepted) -> paired -> ended (the target loaded, failed or stopped, the source
+    stopped, either worker lost, or a side refused): the planner frees both then."""
+
+    source_instance: str
+    source_worker: str
+    target_worker: str
+    peers: Mapping[str, str]  # both workers -> data-plane address
+    state: Literal["planned", "forming", "paired", "ended"] = "planned"
+
+    @property
+    def open(self) -> bool:
+        return self.state != "ended"
+
+
+@dataclass(frozen=True)
 class ScaleOp:
     """One scale operation as the planner knows it."""
 
@@ -114,6 +133,7 @@ class ScaleOp:
     # Pipelines in their mode switch: their entry finishes its step, then their stages stop.
     retiring: Mapping[str, FormedPipeline] = field(default_factory=dict)
     checked_at: float = 0.0  # the last registry check of the targets' states
+    pairs: Mapping[str, PairWatch] = field(default_factory=dict)  # target instance -> its live pair
 
     @property
     def op_id(self) -> str:
@@ -217,6 +237,15 @@ class DrainAnswered:
 
 
 @dataclass(frozen=True)
+class PairAnswered:
+    """Both workers of a live pair answered its FormLivePair (`error`: the first refusal; the
+    target's part, if it was formed, was ended again)."""
+
+    target_instance: str
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class WorkerLost:
     worker_id: str
 
@@ -227,7 +256,7 @@ class Tick:
 
 
 Event = (PartsAnswered | InstanceCreated | LoadAnswered | InstanceReported | BlockReported | PipelineRegistered
-         | PipelineStartAnswered | SwitchAnswered | DrainAnswered | WorkerLost | Tick)
+         | PipelineStartAnswered | SwitchAnswered | DrainAnswered | PairAnswered | WorkerLost | Tick)
 
 
 # --- effects (what the planner does) -------------------------------------------------------------------
@@ -324,6 +353,13 @@ class Drain:
 
 
 @dataclass(frozen=True)
+class FormPair:
+    """Send `form` to the pair's target, then to its source (answer: PairAnswered)."""
+
+    form: m.FormLivePair
+
+
+@dataclass(frozen=True)
 class CheckInstances:
     """Read these instances' states from the registry and report each (InstanceReported): events lost
     on their way to the planner are recovered from the registry."""
@@ -355,7 +391,7 @@ class Log:
 
 
 Effect = (Record | SendParts | CancelParts | CreateInstance | SendLoad | Announce | FormPipeline | StartPipeline
-          | SwitchPipeline | UnloadStages | Drain | CheckInstances | Ended | Trace | Log)
+          | SwitchPipeline | UnloadStages | Drain | FormPair | CheckInstances | Ended | Trace | Log)
 
 
 # --- opening -------------------------------------------------------------------------------------------
@@ -370,8 +406,13 @@ def open_scale_up(info: m.ScaleOpInfo, scale: ScalePlan, instance_ids: Mapping[s
     model, sid = scale.model, info.scale_op_id
     targets = {instance_ids[t.worker_id]: Target(t.worker_id, t.command(model, instance_ids[t.worker_id], sid))
                for t in scale.loads}
+    # Each live pair waits for its target's load to be accepted (the target's instance exists then).
+    pairs = {instance_ids[p.target_worker]: PairWatch(p.source_instance, p.source_worker, p.target_worker,
+                                                      _frozen({w: addresses[w] for w in (p.source_worker,
+                                                                                         p.target_worker)}))
+             for p in scale.live_pairs}
     op = ScaleOp(info=info, model=model, targets=_frozen(targets), timings=_frozen(info.timings),
-                 plan=_frozen(info.plan), scale=scale, opened_at=now, checked_at=now)
+                 plan=_frozen(info.plan), scale=scale, opened_at=now, checked_at=now, pairs=_frozen(pairs))
     effects: list[Effect] = [Record(op.record(), background=True)]
     if scale.multicast is None:
         return op, effects + _create_all(op)
@@ -464,6 +505,7 @@ def step(op: ScaleOp, event: Event, now: float, timers: Timers = Timers()) -> tu
     """The operation after `event`, and what to do about it."""
     handler = _HANDLERS[type(event)]
     op, effects = handler(op, event, now, timers)
+    op, effects = _free_pairs(op, now, effects)
     if op.state == "running" and not op.waiting():
         op, effects = _close(op, now, effects)
     return op, effects
@@ -573,7 +615,8 @@ def _on_load_answer(op: ScaleOp, ev: LoadAnswered, now: float, timers: Timers) -
     if t is None or not t.waiting:  # late: the target ended meanwhile
         return op, []
     if ev.error is None:
-        return op, [Log("info", f"scale-up {op.op_id}: {t.worker_id} loads {t.load.model}")]
+        op, pairing = _form_pair(op, ev.instance_id)
+        return op, [Log("info", f"scale-up {op.op_id}: {t.worker_id} loads {t.load.model}"), *pairing]
     op, effects = _target_failed(op, ev.instance_id, ev.error, now)
     return op, [Log("warning", f"scale-up {op.op_id}: worker {t.worker_id} refused: {ev.error}"), *effects]
 
@@ -583,6 +626,9 @@ def _on_instance(op: ScaleOp, ev: InstanceReported, now: float, timers: Timers) 
     if inst.mode == "pipeline":
         return _on_pipeline_instance(op, inst, now)
     iid = inst.instance_id
+    if inst.state in (m.InstanceState.failed, m.InstanceState.stopped, m.InstanceState.draining):
+        # A pair's source stopping ends its pair (its worker tells the target).
+        op = _end_pairs(op, lambda p: p.source_instance == iid)
     t = op.targets.get(iid)
     if t is None or not t.waiting or inst.state == m.InstanceState.loading or op.model is None:
         return op, []
@@ -749,7 +795,9 @@ def _on_pipeline_instance(op: ScaleOp, inst: m.InstanceInfo, now: float) -> tupl
 
 
 def _on_worker_lost(op: ScaleOp, ev: WorkerLost, now: float, timers: Timers) -> tuple[ScaleOp, list[Effect]]:
-    """A stage worker is gone: the pipelines it was part of fail (their requests are handed over)."""
+    """A stage worker is gone: the pipelines it was part of fail (their requests are handed over);
+    a live pair it was part of is over (the other side goes on alone: PairLost on the worker)."""
+    op = _end_pairs(op, lambda p: ev.worker_id in (p.source_worker, p.target_worker))
     effects: list[Effect] = []
     for iid, pipeline in list(op.retiring.items()):
         if pipeline.workers[0] == ev.worker_id:  # an entry gone in its switch never reports stopping
@@ -759,6 +807,67 @@ def _on_worker_lost(op: ScaleOp, ev: WorkerLost, now: float, timers: Timers) -> 
             op, more = _end_pipeline(op, iid, m.InstanceState.failed, f"worker {ev.worker_id} expired", now)
             effects += more
     return op, effects
+
+
+# --- live pairs (BlitzScale §5.2) ----------------------------------------------------------------------------
+def _form_pair(op: ScaleOp, target_iid: str) -> tuple[ScaleOp, list[Effect]]:
+    """The target's load was accepted: its lifecycle is loading (stop-the-world), so it can pair."""
+    pair = op.pairs.get(target_iid)
+    if pair is None or pair.state != "planned":
+        return op, []
+    form = m.FormLivePair(model=op.model.name, path=op.model.path, source_instance=pair.source_instance,
+                          source_worker=pair.source_worker, target_instance=target_iid,
+                          target_worker=pair.target_worker, peers=dict(pair.peers), scale_op_id=op.op_id)
+    return _pair_state(op, target_iid, "forming"), [FormPair(form)]
+
+
+def _pair_state(op: ScaleOp, target_iid: str, state: str) -> ScaleOp:
+    pairs = {**op.pairs, target_iid: dataclasses.replace(op.pairs[target_iid], state=state)}
+    return dataclasses.replace(op, pairs=_frozen(pairs))
+
+
+def _end_pairs(op: ScaleOp, which: Callable[[PairWatch], bool]) -> ScaleOp:
+    for iid, pair in op.pairs.items():
+        if pair.open and which(pair):
+            op = _pair_state(op, iid, "ended")
+    return op
+
+
+def _on_pair_answered(op: ScaleOp, ev: PairAnswered, now: float, timers: Timers) -> tuple[ScaleOp, list[Effect]]:
+    iid = ev.target_instance
+    pair = op.pairs.get(iid)
+    if pair is None or pair.state != "forming":  # ended meanwhile (its target loaded, a side went away)
+        return op, []
+    if ev.error is not None:
+        return _pair_state(op, iid, "ended"), [
+            Log("warning", f"scale-up {op.op_id}: live pair {pair.source_instance} -> {iid} not formed: {ev.error}")]
+    op = _timed(_pair_state(op, iid, "paired"), **{f"paired:{iid}": now})
+    return op, [Log("info", f"scale-up {op.op_id}: live pair: {pair.source_instance} on {pair.source_worker} runs "
+                            f"its prefills' first blocks on {iid} on {pair.target_worker}"),
+                Trace("live_pair_formed", {"layercast.source": pair.source_instance, "layercast.instance": iid})]
+
+
+def _free_pairs(op: ScaleOp, now: float, effects: list[Effect]) -> tuple[ScaleOp, list[Effect]]:
+    """A pair whose target is no longer on its way (loaded: the pair dissolved by itself at its
+    last block; failed, stopped, given up) is over: both its instances are free again."""
+    for iid, pair in op.pairs.items():
+        t = op.targets.get(iid)
+        if pair.open and (t is None or not t.waiting):
+            op = _pair_state(op, iid, "ended")
+    ended = [iid for iid, pair in op.pairs.items() if pair.state == "ended" and f"unpaired:{iid}" not in op.timings]
+    for iid in ended:
+        if f"paired:{iid}" in op.timings:
+            op = _timed(op, **{f"unpaired:{iid}": now})
+            effects = [*effects, Trace("live_pair_ended", {"layercast.instance": iid})]
+    return op, effects
+
+
+def open_live_pairs(ops: Iterable[ScaleOp]) -> list[m.LivePairInfo]:
+    """The live pairs these operations formed (or are forming) that are not over: what the planner
+    adds to its view (ClusterView.live_pairs) so the next decisions see both workers as busy."""
+    return [m.LivePairInfo(source_instance=p.source_instance, source_worker=p.source_worker, target_instance=iid,
+                           target_worker=p.target_worker, scale_op_id=op.op_id)
+            for op in ops for iid, p in op.pairs.items() if p.open]
 
 
 # --- scale-in ----------------------------------------------------------------------------------------------
@@ -810,14 +919,15 @@ _HANDLERS = {
     PartsAnswered: _on_parts, InstanceCreated: _on_created, LoadAnswered: _on_load_answer,
     InstanceReported: _on_instance, BlockReported: _on_block, PipelineRegistered: _on_registered,
     PipelineStartAnswered: _on_started, SwitchAnswered: _on_switched, DrainAnswered: _on_drained,
-    WorkerLost: _on_worker_lost, Tick: _on_tick,
+    PairAnswered: _on_pair_answered, WorkerLost: _on_worker_lost, Tick: _on_tick,
 }
 
 
 def concerns(op: ScaleOp, instance_id: str) -> bool:
-    """Whether an instance's events go to this operation (a target, or a pipeline of it)."""
+    """Whether an instance's events go to this operation (a target, a pipeline of it, or the
+    source of a live pair it formed)."""
     return instance_id in op.targets or instance_id in op.serving or instance_id in op.retiring \
-        or instance_id in op.forming
+        or instance_id in op.forming or any(p.open and p.source_instance == instance_id for p in op.pairs.values())
 
 
 # --- the parameter pool's throttle -------------------------------------------------------------------------

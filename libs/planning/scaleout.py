@@ -13,6 +13,12 @@ run in the same system as layercast (:data:`MODES`):
   scale-up group as one node;
 - ``chain-blind``: chains from the same sources over the targets in worker-id order, blind
   to leaves and groups (the baseline for ``chain``);
+- ``blitzscale`` (BlitzScale §5.1-5.3): ``chain``'s topology-aware chains from every source,
+  the parameter pool, targets loading stop-the-world, and live pairs: each serving instance
+  pairs with a chain target still receiving the model (the slowest first,
+  :func:`plan_live_pairs`) and runs its prefills' first blocks there until the target holds
+  every block; its deployments get the ``threshold`` policy unless they name one;
+- ``blitzscale-nopairs``: ``blitzscale`` without live pairs (the comparison);
 - ``binomial`` (λScale's multicast, serving only on complete copies: the baseline for
   pipelines): k-way binomial pipeline, k = the number of sources;
 - ``faasnet``: a binary tree from one source;
@@ -31,6 +37,7 @@ schedule, cost model and properties) under the one name plans and records carry.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -51,6 +58,7 @@ from libs.planning.multicast import (
     schedule_steps,
 )
 from libs.planning.multicast_choice import DEFAULT_CHUNK_BYTES, choose_multicast
+from libs.planning.livepair import Receiving, Serving, choose_live_pairs
 from libs.planning.load_estimate import estimated_load_s
 from libs.planning.pipelines import plan_pipelines
 from libs.planning.placement import Candidate, Held, LiveInstance, full_copies, pick_targets, pick_victims
@@ -144,12 +152,28 @@ class ModeSpec:
     # schedule lets them (MulticastAlgorithm.forms_pipelines); those in a pipeline then load
     # stop-the-world: the pipelines are their early capacity, λScale §4.3-4.4.
     pipelines: bool = False
+    # BlitzScale §5.2: a scale-out pairs the model's serving instances with chain targets still
+    # receiving it (plan_live_pairs); the targets load stop-the-world (serve_while_loading=False).
+    live_pairs: bool = False
+    # The load-monitor's policy a deployment of this mode gets when it names none (deploy_policy),
+    # with these parameters where it gives none; None: the deploy's own default (concurrency).
+    default_policy: str | None = None
+    default_policy_params: Mapping[str, float] = field(default_factory=dict)
 
+
+# BlitzScale §5.3's policy needs the output tokens/s one instance sustains, profiled offline:
+# where a blitzscale deployment gives none, this placeholder (not measured for any model; the
+# value README's threshold examples use). Profile yours and pass --policy-param capacity_tps=N.
+BLITZSCALE_CAPACITY_TPS = 200.0
+_BLITZSCALE_POLICY = {"default_policy": "threshold", "default_policy_params": {"capacity_tps": BLITZSCALE_CAPACITY_TPS}}
 
 MODES: dict[str, ModeSpec] = {
     "layercast": ModeSpec(multicast=_earliest_capacity, pipelines=True),
     "chain": ModeSpec(multicast=_every_source("chain")),  # topology-aware chains (libs.planning.chain)
     "chain-blind": ModeSpec(multicast=_every_source("chain-blind")),  # the same, blind to leaves: the baseline
+    "blitzscale": ModeSpec(multicast=_every_source("chain"), serve_while_loading=False, live_pairs=True,
+                           **_BLITZSCALE_POLICY),
+    "blitzscale-nopairs": ModeSpec(multicast=_every_source("chain"), serve_while_loading=False, **_BLITZSCALE_POLICY),
     "binomial": ModeSpec(multicast=_every_source("binomial"), serve_while_loading=False),
     "faasnet": ModeSpec(multicast=_one_source("binary-tree")),
     "serverlessllm": ModeSpec(keeps_pool=False, serve_while_loading=False, host_keep_alive_on_scale_in=True),
@@ -163,6 +187,18 @@ def mode_spec(mode: str) -> ModeSpec:
         return MODES[mode]
     except KeyError:
         raise ValueError(f"unknown scaling mode {mode!r}; choose from {', '.join(MODES)}") from None
+
+
+def deploy_policy(scaling_mode: str, policy: str | None, params: Mapping[str, float]) -> tuple[str, dict[str, float]]:
+    """The scaling policy and parameters a deployment gets: those it names; where it names no
+    policy, its mode's default (blitzscale: BlitzScale's threshold policy, with
+    BLITZSCALE_CAPACITY_TPS unless it gives capacity_tps), else concurrency."""
+    if policy is not None:
+        return policy, dict(params)
+    spec = mode_spec(scaling_mode)
+    if spec.default_policy is None:
+        return "concurrency", dict(params)
+    return spec.default_policy, {**spec.default_policy_params, **params}
 
 
 def scaleout_choice(mode: str, n_sources: int, n_targets: int, model_bytes: int, n_blocks: int,
@@ -207,11 +243,11 @@ def cost_link_gbps(workers: Sequence[m.WorkerInfo]) -> float:
 
 
 def live_pair_workers(view: m.ClusterView) -> set[str]:
-    """HOOK for live pairs (BlitzScale §5.2: a loading instance paired with a serving one that
-    streams it activations/KV): the workers whose egress a live pair uses. Live pairs do not
-    exist yet; whoever adds them returns their workers here, and the chain planner prunes them
-    as sources like pipeline stages."""
-    return set()
+    """The workers of the live pairs open now (BlitzScale §5.2: a loading instance runs the first
+    blocks of a serving one's prefills and sends it hidden states and KV): both sides' links
+    carry serving traffic, so the chain planner prunes them as sources like pipeline stages.
+    The pairs are those the planner formed (ClusterView.live_pairs)."""
+    return {w for p in view.live_pairs for w in (p.source_worker, p.target_worker)}
 
 
 def egress_busy_workers(view: m.ClusterView) -> set[str]:
@@ -316,6 +352,62 @@ def target_load(mode: str, worker_id: str, block_start: int, block_end: int, rec
 
 
 @dataclass(frozen=True)
+class PlannedPair:
+    """A live pair a scale-out forms: a serving instance and a target (by worker: its instance id
+    is the service's) still receiving the model by chain."""
+
+    source_instance: str
+    source_worker: str
+    target_worker: str
+
+
+# The source's SLO where the deployment names no ttft_slo_s: the least of LLM-Mesh's
+# max(2, prompt tokens / 512) s (libs.planning.mesh).
+DEFAULT_TTFT_SLO_S = 2.0
+
+
+def receivers_done_s(plan: MulticastPlan, n_receivers: int, model_bytes: int, n_blocks: int,
+                     link_gbps: float) -> list[float]:
+    """Seconds from the multicast's first byte until each receiver (in plan_nodes order) holds
+    every block, read off the plan's schedule with its algorithm's cost model."""
+    alg = multicast_algorithm(plan.algorithm)
+    arr = arrival_steps(plan.schedule, plan.k + n_receivers, n_blocks, range(plan.k))
+    return [alg.cost.done_s(max(s for s in row if s is not None), n_blocks, model_bytes, link_gbps * 1e9 / 8,
+                            DEFAULT_CHUNK_BYTES, STEP_OVERHEAD_S) for row in arr[plan.k:]]
+
+
+def plan_live_pairs(view: m.ClusterView, model: m.ModelInfo, multicast: MulticastPlan | None,
+                    receivers: Sequence[str], link_gbps: float, load: Mapping[str, int]) -> tuple[PlannedPair, ...]:
+    """BlitzScale §5.2 at a scale-out's start: the model's serving instances (every block in,
+    alone on their worker's stage) pair with its receivers (the targets still receiving the model
+    by the multicast), by :func:`~libs.planning.livepair.choose_live_pairs`: the receiver that
+    will take longest first, only one whose load outlasts the source's TTFT SLO, one pair per
+    source and per target, none with an instance already paired (ClusterView.live_pairs).
+
+    The scale-out itself is the overload signal (the policy asked for it because load passed
+    its bound), so every serving instance counts as overloaded; the most loaded (running
+    requests on its worker) pairs first."""
+    if not mode_spec(model.scaling_mode).live_pairs or multicast is None or not receivers:
+        return ()
+    n_blocks = len(model.blocks)
+    paired = {i for p in view.live_pairs for i in (p.source_instance, p.target_instance)}
+    paired_workers = live_pair_workers(view)
+    slo = model.ttft_slo_s or DEFAULT_TTFT_SLO_S
+    serving = [Serving(i.instance_id, i.entry_worker, model.name, queue_wait_s=math.inf, slo_s=slo,
+                       paired=i.instance_id in paired or i.entry_worker in paired_workers,
+                       load=load.get(i.entry_worker, 0))
+               for i in live_instances(view, model.name)
+               if i.state == m.InstanceState.ready and i.loaded_at is not None and len(i.stages) == 1
+               and (i.stages[0].block_start, i.stages[0].block_end) == (0, n_blocks)]
+    done_s = receivers_done_s(multicast, len(receivers), model.total_bytes, n_blocks, link_gbps)
+    # A receiver has no instance yet: its worker names it until the scale operation creates it.
+    receiving = [Receiving(w, w, model.name, load_left_s=s, paired=w in paired_workers)
+                 for w, s in zip(receivers, done_s)]
+    return tuple(PlannedPair(p.source.instance_id, p.source.worker_id, p.target.worker_id)
+                 for p in choose_live_pairs(serving, receiving))
+
+
+@dataclass(frozen=True)
 class ScalePlan:
     """A scale-out. No `loads`: more instances are wanted but no worker is free (or only
     `held_back` ones)."""
@@ -334,6 +426,8 @@ class ScalePlan:
     held_back: tuple[str, ...] = ()  # free workers passed over as saturated (see pick_targets)
     # target -> its estimated load time when chosen (ServerlessLLM §6.2, libs.planning.load_estimate)
     load_estimates: Mapping[str, float] = field(default_factory=dict)
+    # Live pairs to form once each target's load is accepted (modes with live_pairs): plan_live_pairs
+    live_pairs: tuple[PlannedPair, ...] = ()
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -365,6 +459,9 @@ class ScalePlan:
             plan["pipelines"] = [list(p) for p in self.pipelines]
         if self.prediction:
             plan["predicted"] = dict(self.prediction)
+        if self.live_pairs:
+            plan["live_pairs"] = [{"source_instance": p.source_instance, "source_worker": p.source_worker,
+                                   "target_worker": p.target_worker} for p in self.live_pairs]
         if self.load_estimates:
             # Beside what happens: the operation adds measured_load_s when it closes (scaleop).
             plan["estimated_load_s"] = {w: round(s, 6) for w, s in self.load_estimates.items()}
@@ -436,7 +533,8 @@ def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[s
                   for w in targets)
     return ScalePlan(model, len(live), desired, loads, tuple(sources), tuple(receivers), multicast, link_gbps,
                      pipelines, prediction, held_back,
-                     load_estimates={w: load_s[w] for w in targets if w in load_s})
+                     load_estimates={w: load_s[w] for w in targets if w in load_s},
+                     live_pairs=plan_live_pairs(view, model, multicast, receivers, link_gbps, load))
 
 
 def plan_scale_in(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[str, int] | None = None, *,

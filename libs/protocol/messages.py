@@ -120,7 +120,8 @@ class BlockInfo(BaseModel):
 
 # How a deployment scales out (libs.planning.scaleout): layercast's own choice, or a
 # baseline run in the same system.
-ScalingMode = Literal["layercast", "chain", "chain-blind", "binomial", "faasnet", "serverlessllm", "static", "ideal"]
+ScalingMode = Literal["layercast", "chain", "chain-blind", "blitzscale", "blitzscale-nopairs", "binomial", "faasnet",
+                      "serverlessllm", "static", "ideal"]
 # The multicast algorithms' names (libs.planning.multicast.MULTICAST_ALGORITHMS), as plans,
 # scale-operation records (plan.algorithm) and TransferParts carry them; the registry also
 # reads the aliases it lists ("kway" for binomial from k sources).
@@ -277,12 +278,27 @@ class GetCluster(Message):
     recent_scale_ops: int = Field(default=20, ge=0, le=1000)
 
 
+class LivePairInfo(BaseModel):
+    """A live pair the planner formed: `source_instance` on `source_worker` offloads its prefills'
+    first blocks to `target_instance` on `target_worker`, which is still receiving the model."""
+
+    source_instance: str
+    source_worker: str
+    target_instance: str
+    target_worker: str
+    scale_op_id: str | None = None
+
+
 class ClusterView(Message):
     workers: list[WorkerInfo]
     models: list[ModelInfo]
     replicas: list[ReplicaInfo]
     instances: list[InstanceInfo]
     scale_ops: list[ScaleOpInfo]
+    # Live pairs open now (BlitzScale §5.2). The registry leaves this empty: the planner adds the
+    # pairs its own open scale operations formed (the only sender of FormLivePair) to the view it
+    # decides on, so a pair's workers are pruned as chain sources (scaleout.live_pair_workers).
+    live_pairs: list[LivePairInfo] = []
     # The registry's change count when the view was read (see ClusterChanged): the view holds at
     # least every change up to it. `epoch` names the registry process that counted.
     epoch: str = ""

@@ -220,10 +220,13 @@ def _policy_params(pairs: list[str]) -> dict[str, float]:
 @model_app.command("deploy")
 def deploy(name: str, path: Path, min_instances: int = 0, max_instances: int = 4, keep_alive: float = 60.0,
            state_dir: Path = StateDir, gateway_url: str = GatewayUrl, admin_key: str = AdminKey,
-           scaling_mode: str = typer.Option("layercast", help="layercast | chain | chain-blind | binomial | faasnet | "
+           scaling_mode: str = typer.Option("layercast", help="layercast | chain | chain-blind | blitzscale | "
+                                                                 "blitzscale-nopairs | binomial | faasnet | "
                                                                  "serverlessllm | static | ideal"),
-           policy: str = typer.Option("concurrency", "--policy",
-                                      help="The load-monitor's scaling policy: threshold | concurrency | slo."),
+           policy: str = typer.Option(None, "--policy",
+                                      help="The load-monitor's scaling policy: threshold | concurrency | slo "
+                                           "(default: threshold for blitzscale, with capacity_tps=200 unless "
+                                           "given; concurrency otherwise)."),
            policy_param: list[str] = typer.Option([], "--policy-param", metavar="KEY=VALUE",
                                                   help="A parameter of the policy (repeatable), e.g. target=4."),
            ttft_slo_s: float = typer.Option(None, "--ttft-slo-s",

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from libs.planning.autoscale import check_policy
+from libs.planning.scaleout import deploy_policy
 from libs.protocol import messages as m
 
 
@@ -257,11 +258,25 @@ class DeployRequest(_Body):
     keep_alive_s: float = Field(default=60.0, ge=0)
     max_queue: int = Field(default=256, ge=1)
     scaling_mode: m.ScalingMode = "layercast"
+    # None (not given): the scaling mode's default (libs.planning.scaleout.deploy_policy):
+    # threshold for blitzscale, concurrency otherwise.
     policy: m.ScalingPolicy = "concurrency"
     policy_params: dict[str, float] = Field(default_factory=dict, validate_default=True)
     # LLM-Mesh SLOs (m.DeployModel): None = max(2, prompt tokens / 512) s.
     ttft_slo_s: float | None = Field(default=None, gt=0)
     tpot_slo_s: float = Field(default=0.25, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_policy(cls, data: Any) -> Any:
+        # A deployment that names no policy gets its scaling mode's (before the parameters are checked).
+        if isinstance(data, dict) and data.get("policy") is None and isinstance(data.get("scaling_mode"), str):
+            try:
+                policy, params = deploy_policy(data["scaling_mode"], None, data.get("policy_params") or {})
+            except (ValueError, TypeError):
+                return data  # an unknown mode or bad parameters: the field checks say so
+            data = {**data, "policy": policy, "policy_params": params}
+        return data
 
     @field_validator("policy_params")
     @classmethod

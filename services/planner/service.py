@@ -93,7 +93,8 @@ class PlannerService(Service):
         """Bring the model to `req.desired_instances`; returns the operation started, if any."""
         received = time.time()
         async with self._locks[req.model]:
-            view = await self.views.get()
+            # The registry's view, with the live pairs open now (only this planner forms them).
+            view = (await self.views.get()).model_copy(update={"live_pairs": so.open_live_pairs(self.ops.values())})
             viewed = time.time()
             decision = decide(view, req, self._load, saturated=saturated_workers(self._last_refusal, time.monotonic()),
                               host_keep_alive_s=self.serverlessllm_keep_alive_s)
@@ -260,10 +261,23 @@ class PlannerService(Service):
     async def _drain(self, op_id: str, e: so.Drain) -> so.Event:
         return so.DrainAnswered(e.unload.instance_id, await self.workers.command(e.worker_id, e.unload))
 
+    async def _form_pair(self, op_id: str, e: so.FormPair) -> so.Event:
+        """The target hosts its front first, then the source pairs with it (as a pipeline's stages);
+        a source that refuses leaves the target paired with nothing: it is told the pair is over."""
+        form = e.form
+        if why := await self.workers.command(form.target_worker, form):
+            return so.PairAnswered(form.target_instance, f"target {form.target_worker}: {why}")
+        if why := await self.workers.command(form.source_worker, form):
+            end = m.EndLivePair(instance_id=form.target_instance, reason=f"the source refused: {why}")
+            if also := await self.workers.command(form.target_worker, end):
+                log.info("live pair %s: ending the target's part: %s", form.target_instance, also)
+            return so.PairAnswered(form.target_instance, f"source {form.source_worker}: {why}")
+        return so.PairAnswered(form.target_instance)
+
     _answering: dict[type, Callable[..., Awaitable[so.Event]]] = {
         so.SendParts: _send_parts, so.CreateInstance: _create_instance, so.SendLoad: _send_load,
         so.FormPipeline: _form_pipeline, so.StartPipeline: _start_pipeline, so.SwitchPipeline: _switch_pipeline,
-        so.Drain: _drain,
+        so.Drain: _drain, so.FormPair: _form_pair,
     }
 
     # Effects without an answer.
@@ -420,9 +434,13 @@ class PlannerService(Service):
 
     async def on_instance(self, ev: m.InstanceEvent) -> None:
         self.views.mark_stale()
-        op_id = self._op_of_instance(ev.instance.instance_id, ev.instance.scale_op_id)
+        iid = ev.instance.instance_id
+        op_id = self._op_of_instance(iid, ev.instance.scale_op_id)
         if op_id is not None:
             await self.feed(op_id, so.InstanceReported(ev.instance))
+        # A serving instance's own operation is not the one that paired it: that one hears it too.
+        for other in [i for i, op in self.ops.items() if i != op_id and so.concerns(op, iid)]:
+            await self.feed(other, so.InstanceReported(ev.instance))
 
     async def on_block(self, ev: m.BlockEvent) -> None:
         if ev.scale_op_id in self.ops:

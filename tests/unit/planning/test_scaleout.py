@@ -19,6 +19,7 @@ from libs.planning.scaleout import (
     build_plan,
     decide,
     held_blocks,
+    live_pair_workers,
     mode_spec,
     plan_bound_s,
     plan_nodes,
@@ -491,3 +492,85 @@ def test_chains_planned_on_any_topology_are_valid_plans_from_quiet_sources(case)
     validate_schedule(plan.multicast.schedule, len(nodes), N_BLOCKS, sources=range(plan.multicast.k))
     if len(staged) >= 2 and holders - staged:
         assert not set(plan.senders) & staged  # a quiet source exists: no stage worker sends
+
+
+# --- blitzscale: live pairs at a scale-out's start (BlitzScale §5.2) ----------------------------------
+
+
+def _loaded_instance(iid: str, wid: str) -> m.InstanceInfo:
+    return _instance(iid, wid).model_copy(update={"loaded_at": 0.0})
+
+
+def _blitz_view(mode: str = "blitzscale", ttft_slo_s: float | None = 1e-4, live_pairs=()) -> m.ClusterView:
+    """The two-leaf cluster; w0 and w1 serve every block (the sources); a TTFT SLO shorter than
+    any chain's load, so every receiver is worth pairing unless said otherwise."""
+    model = _model(mode, max_instances=8).model_copy(update={"ttft_slo_s": ttft_slo_s})
+    view = _two_leaf_view(mode, [_loaded_instance("i0", "w0"), _loaded_instance("i1", "w1")], model=model)
+    return view.model_copy(update={"live_pairs": list(live_pairs)})
+
+
+def test_blitzscale_pairs_each_serving_instance_with_a_chain_tail_and_loads_stop_the_world():
+    plan = plan_scale_out(_blitz_view(), _request(8), load={"w1": 5})
+    assert plan.multicast.algorithm == "chain"
+    tails = {chain[-1] for chain in _chains(plan)}
+    assert len(plan.live_pairs) == 2
+    assert {p.target_worker for p in plan.live_pairs} == tails  # the slowest receivers: the chains' tails
+    assert {p.source_instance for p in plan.live_pairs} == {"i0", "i1"}
+    assert plan.live_pairs[0].source_worker == "w1"  # the busiest source pairs first
+    assert all(not load.serve_while_loading for load in plan.loads)
+    assert plan.record()["live_pairs"][0]["target_worker"] in tails
+
+
+def test_no_pair_where_the_chain_loads_within_the_sources_slo_or_the_mode_has_none():
+    assert plan_scale_out(_blitz_view(ttft_slo_s=None), _request(8)).live_pairs == ()  # 2 s: MiB load faster
+    for mode in ("chain", "blitzscale-nopairs"):
+        plan = plan_scale_out(_blitz_view(mode), _request(8))
+        assert plan.multicast.algorithm == "chain" and plan.live_pairs == ()
+    assert MODES["blitzscale-nopairs"].keeps_pool and not MODES["blitzscale-nopairs"].serve_while_loading
+
+
+def test_a_source_in_a_live_pair_is_pruned_as_a_chain_source_and_not_paired_again():
+    pair = m.LivePairInfo(source_instance="i0", source_worker="w0", target_instance="i9", target_worker="w9")
+    view = _blitz_view(live_pairs=[pair])
+    assert live_pair_workers(view) == {"w0", "w9"}
+    # w0 is the least loaded (it would go first) but its link carries its pair's traffic.
+    plan = plan_scale_out(view, _request(5), load={"w1": 3})
+    assert plan.senders == ("w1",) and all(chain[0] == "w1" for chain in _chains(plan))
+    assert [p.source_instance for p in plan.live_pairs] == ["i1"]
+    assert plan_scale_out(_blitz_view(), _request(5), load={"w1": 3}).senders == ("w0", "w1")
+
+
+@st.composite
+def _pairing_views(draw):
+    """blitzscale views on 3-9 workers: some serve (loaded or not), 1-3 hold the copy, some are
+    already in live pairs; any TTFT SLO."""
+    n = draw(st.integers(3, 9))
+    workers = [_placed(f"w{i}", f"leaf-{draw(st.integers(0, 1))}") for i in range(n)]
+    holders = [f"w{i}" for i in range(draw(st.integers(1, n - 1)))]
+    instances = [_loaded_instance(f"i{i}", w) if draw(st.booleans()) else _instance(f"i{i}", w)
+                 for i, w in enumerate(holders)]
+    pairs = [m.LivePairInfo(source_instance=i.instance_id, source_worker=i.entry_worker, target_instance="x",
+                            target_worker=f"w{n - 1}") for i in instances if draw(st.booleans())][:1]
+    model = _model("blitzscale", max_instances=n).model_copy(
+        update={"ttft_slo_s": draw(st.sampled_from([1e-4, 0.01, None]))})
+    view = _view(workers, [model], [r for w in holders for r in _copy(w)], instances)
+    return view.model_copy(update={"live_pairs": pairs}), draw(st.integers(len(holders) + 1, n))
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=_pairing_views())
+def test_live_pairs_join_an_unpaired_serving_source_and_a_chain_receiver_one_pair_each(case):
+    view, desired = case
+    plan = plan_scale_out(view, _request(desired))
+    if plan is None or not plan.live_pairs:
+        return
+    serving = {i.instance_id: i.entry_worker for i in view.instances if i.loaded_at is not None}
+    busy = live_pair_workers(view)
+    sources = [p.source_instance for p in plan.live_pairs]
+    targets = [p.target_worker for p in plan.live_pairs]
+    assert len(set(sources)) == len(sources) and len(set(targets)) == len(targets)
+    for p in plan.live_pairs:
+        assert serving.get(p.source_instance) == p.source_worker and p.source_worker not in busy
+        assert p.target_worker in plan.receivers and p.target_worker not in busy
+        assert p.target_worker != p.source_worker
+    assert all(not load.serve_while_loading for load in plan.loads)

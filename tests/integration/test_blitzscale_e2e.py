@@ -1,0 +1,138 @@
+"""A `blitzscale` scale-out forms a live pair by itself (BlitzScale §5.2), against real NATS,
+Postgres, the planner service and three workers: the pool's copy goes off the serving worker, the
+scale-out to three instances loads one target from that copy and sends the other its blocks by
+chain; the planner pairs the serving instance with that chain target (FormLivePair, target first),
+the requests sent to the source meanwhile run their first block on the target, every request is
+answered with the instance alone's tokens, and the pair dissolves at the target's last block."""
+
+import asyncio
+
+from libs.bus.broker import call
+from libs.checkpoint import CheckpointIndex
+from libs.planning import scaleop as so
+from libs.planning.instance import Phase
+from libs.protocol import messages as m
+from libs.protocol import subjects
+from services.gateway.workers import NatsWorkerClient
+from services.planner.service import PlannerService
+from services.worker.service import WorkerConfig, WorkerService
+from test_live_pair_e2e import MAX_TOKENS, PROMPTS, alone
+from test_registry import client, collect, started  # noqa: F401 - the client fixture
+from test_worker_unload import until
+
+LOAD_S = 6.0  # every worker's paced copy into engine memory: a target's first block lands about halfway
+WORKERS = ("w-a", "w-b", "w-c")
+
+
+async def view_of(client) -> m.ClusterView:  # noqa: F811
+    return await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=20), m.ClusterView)
+
+
+async def test_a_blitzscale_scale_out_pairs_the_serving_instance_with_its_chain_target_and_dissolves_it(
+        database_url, nats_url, client, tiny_checkpoint):  # noqa: F811
+    index = CheckpointIndex.load(tiny_checkpoint)
+    total = sum(index.block(b).nbytes for b in range(index.n_blocks))
+    expected = await asyncio.to_thread(alone, tiny_checkpoint)
+    reg = await started(database_url, nats_url)
+    workers = {w: WorkerService(WorkerConfig(worker_id=w, kv_cache_bytes=8 << 20,
+                                             emulated_host_to_device_mbit=total * 8 / 1e6 / LOAD_S), nats_url)
+               for w in WORKERS}
+    for w in workers.values():
+        await w.start()
+    planner = PlannerService(nats_url)
+    await planner.start()
+    tokens: dict[str, list[m.TokenEvent]] = {}
+    subs = []
+    try:
+        # A TTFT SLO shorter than any load: every chain target is worth pairing (criterion (1)).
+        await call(client, subjects.REGISTRY_MODEL_DEPLOY, m.DeployModel(
+            name="demo", path=str(tiny_checkpoint), arch=index.arch, n_layers=index.n_layers,
+            blocks=[m.BlockInfo(block_id=b.id, nbytes=b.nbytes, checksum=b.checksum, layer_start=b.layer_start,
+                                layer_end=b.layer_end) for b in index.blocks],
+            min_instances=0, max_instances=3, scaling_mode="blitzscale", ttft_slo_s=1e-3), m.ModelInfo)
+
+        async def ready_loaded() -> list[m.InstanceInfo]:
+            return [i for i in (await view_of(client)).instances
+                    if i.state == m.InstanceState.ready and i.loaded_at is not None]
+
+        async def host_copies() -> set[str]:
+            view = await view_of(client)
+            held: dict[str, int] = {}
+            for r in view.replicas:
+                if r.tier == m.Tier.host and r.state == m.ReplicaState.ready:
+                    held[r.worker_id] = held.get(r.worker_id, 0) + 1
+            return {w for w, n in held.items() if n == index.n_blocks}
+
+        await planner.reconcile(m.ScaleRequest(model="demo", desired_instances=1, reason="first request"))
+        for _ in range(200):
+            if first := await ready_loaded():
+                break
+            await asyncio.sleep(0.1)
+        (source,) = first
+        # The pool keeps a copy off the serving worker (its periodic check): one more host copy.
+        for _ in range(200):
+            await planner.check_pool()
+            if len(await host_copies()) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert len(await host_copies()) == 2
+
+        op = await planner.reconcile(m.ScaleRequest(model="demo", desired_instances=3, reason="load past the bound"))
+        assert op is not None and op.plan["algorithm"] == "chain"
+        (planned,) = op.plan["live_pairs"]
+        assert planned["source_instance"] == source.instance_id
+        target_worker = planned["target_worker"]
+        assert target_worker in op.plan["receivers"]  # receiving by chain, not loading a copy of its own
+        tgt = workers[target_worker]
+        src = workers[source.entry_worker]
+        (pair,) = so.open_live_pairs(planner.ops.values())
+        target = pair.target_instance
+
+        await until(lambda: tgt.loading.lifecycles.get(target) is not None
+                    and tgt.loading.lifecycles[target].phase is Phase.pair_target, 10)
+        assert tgt.loading.lifecycles[target].phase is Phase.pair_target
+        assert src.loading.lifecycles[source.instance_id].phase is Phase.pair_source
+        front, splitter = tgt.livepairs.fronts[target], src.livepairs.splitters[source.instance_id]
+
+        # The load is still on its way: requests to the source split their prefills.
+        await until(lambda: 0 in tgt.loading.lifecycles[target].in_engine, LOAD_S)
+        gateway = NatsWorkerClient(client, gateway_id="gw-blitz")
+        for i, prompt in enumerate(PROMPTS):
+            rid = f"r{i}"
+            into = tokens.setdefault(rid, [])
+            subs.append(await collect(client, subjects.tokens("gw-blitz", rid), m.TokenEvent, into))
+            await gateway.generate(source.entry_worker, m.GenerateRequest(
+                request_id=rid, instance_id=source.instance_id, model="demo", prompt_ids=prompt,
+                sampling=m.SamplingSpec(temperature=0, max_tokens=MAX_TOKENS),
+                reply_subject=gateway.reply_subject(rid)), timeout_s=5.0)
+
+        def finished() -> bool:
+            return all(any(t.finished for t in tokens.get(f"r{i}", [])) for i in range(len(PROMPTS)))
+        await until(finished, 30)
+        got = [[t.token_id for t in tokens[f"r{i}"] if t.token_id is not None] for i in range(len(PROMPTS))]
+        assert got == expected and all(t.error is None for ts in tokens.values() for t in ts)
+        assert 1 in splitter.splits and front.passes >= 1  # a prefill's first block ran on the target
+
+        # The target's last block: the pair dissolves, the operation closes with three instances.
+        async def closed() -> m.ScaleOpInfo | None:
+            rec = next(o for o in (await view_of(client)).scale_ops if o.scale_op_id == op.scale_op_id)
+            return rec if rec.state == "done" else None
+        for _ in range(300):
+            if record := await closed():
+                break
+            await asyncio.sleep(0.1)
+        assert record is not None and record.timings.get(f"paired:{target}") is not None
+        assert record.timings[f"paired:{target}"] <= record.timings[f"unpaired:{target}"]
+        assert so.open_live_pairs(planner.ops.values()) == []
+        await until(lambda: src.loading.lifecycles[source.instance_id].phase is Phase.serving, 10)
+        assert src.loading.lifecycles[source.instance_id].phase is Phase.serving
+        assert tgt.loading.lifecycles[target].phase is Phase.serving and not tgt.livepairs.fronts
+        assert len(await ready_loaded()) == 3
+    finally:
+        for s in subs:
+            await s.stop()
+        await planner.stop()
+        for w in workers.values():
+            await w.stop()
+        await reg.stop()
+
