@@ -463,8 +463,12 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
     # --- admin API --------------------------------------------------------------------------------------
     @app.post("/admin/v1/models", dependencies=[Depends(admin_key)], status_code=201)
     async def deploy(body: DeployRequest) -> JSONResponse:
-        path = Path(body.path).expanduser().resolve()
-        if not path.is_dir():
+        try:
+            path = Path(body.path).expanduser().resolve()
+            is_dir = path.is_dir()
+        except (OSError, RuntimeError) as e:  # a name too long, a loop of links, an unknown ~user
+            raise APIError(400, f"path {body.path[:200]!r} cannot be read: {e.strerror or e}", param="path") from e
+        if not is_dir:
             raise APIError(400, f"path {body.path!r} is not a directory", param="path")
         if not is_block_checkpoint(path):
             raise APIError(400, f"{body.path!r} is not a converted layercast checkpoint: run "

@@ -281,6 +281,8 @@ def test_a_nul_in_a_deploy_path_is_a_400(cluster, tiny_checkpoint):
     admin = api(cluster, ADMIN_KEY)
     r = admin.post("/admin/v1/models", json={"name": "nul-path", "path": f"{tiny_checkpoint}\x00x"})
     assert_openai_error(r, 400, "path")
+    for path in ("/" + "a" * 300, "/x/" * 2000):  # a name the OS refuses as too long: a 400 too
+        assert_openai_error(admin.post("/admin/v1/models", json={"name": "long-path", "path": path}), 400, "path")
 
 
 def test_a_malformed_key_id_is_a_400(cluster):
