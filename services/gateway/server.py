@@ -22,15 +22,15 @@ def header_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
     class HeaderTimeoutH11Protocol(H11Protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._arm_header_timeout()
+            self._arm_header_timeout(None)
 
         def on_response_complete(self) -> None:
+            answered = self.cycle  # before super() starts a pipelined request's cycle
             super().on_response_complete()
-            self._arm_header_timeout()
+            self._arm_header_timeout(answered)
 
-        def _arm_header_timeout(self) -> None:
-            waiting_after = self.cycle  # a new request's headers, complete, replace the cycle
-
+        def _arm_header_timeout(self, waiting_after) -> None:
+            """Close unless a request's headers, all in, have replaced the cycle `waiting_after` in time."""
             def expire() -> None:
                 if self.cycle is waiting_after and not self.transport.is_closing():
                     log.info("closing a connection whose request headers took over %.1f s", header_timeout_s)

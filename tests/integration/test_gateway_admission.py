@@ -323,10 +323,17 @@ def test_a_client_stalling_in_its_headers_or_body_is_disconnected_and_others_are
     stalled_body = connect(cluster)
     stalled_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
                          b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"mo")
+    kept_alive = connect(cluster)  # one request answered, then the next one's headers stall
+    kept_alive.sendall(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")
+    first = b""
+    while b'{"status":"ok"}' not in first:
+        first += kept_alive.recv(65536)
+    kept_alive.sendall(b"GET /health HTTP/1.1\r\n")  # uvicorn's keep-alive timer stops at this byte
     t0 = time.monotonic()
     r = c.post("/v1/completions", content=completion_body("Hello there"))
     assert r.status_code == 200, r.text  # served meanwhile
     assert read_until_closed(stalled_headers) == b"" and read_until_closed(silent) == b""
+    assert read_until_closed(kept_alive) == b""
     closed_after = time.monotonic() - t0
     answer = read_until_closed(stalled_body)
     body_closed_after = time.monotonic() - t0
