@@ -320,6 +320,8 @@ class ClusterChanged(Message):
 # usage is accounted under this key id and name.
 STATIC_KEY_ID = "static"
 KeyName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@\-]+$")]
+# A key's per-minute limit: the registry stores it as a 32-bit integer (a larger one would overflow there).
+PerMinuteLimit = Annotated[int, Field(ge=1, le=2**31 - 1)]
 
 
 class CreateApiKey(Message):
@@ -330,8 +332,8 @@ class CreateApiKey(Message):
     key_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
     prefix: str = Field(max_length=16)  # the secret's first characters, to tell keys apart
     models: list[str] | None = None  # None: every model
-    requests_per_minute: int | None = Field(default=None, ge=1)  # None: unlimited
-    tokens_per_minute: int | None = Field(default=None, ge=1)
+    requests_per_minute: PerMinuteLimit | None = None  # None: unlimited
+    tokens_per_minute: PerMinuteLimit | None = None
 
 
 class ApiKeyInfo(Message):

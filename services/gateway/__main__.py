@@ -3,12 +3,11 @@
 import argparse
 import os
 
-import uvicorn
-
 from libs.planning.sharing import SHARINGS, sharing_setting
 from libs.protocol import subjects
 from libs.telemetry import setup_logging, setup_tracing
 from services.gateway.app import create_app
+from services.gateway.server import serve
 from services.gateway.service import GatewayConfig, GatewayService
 
 
@@ -40,6 +39,21 @@ def main() -> None:
     p.add_argument("--sharing", choices=list(SHARINGS), default=env("LAYERCAST_SHARING", GatewayConfig.sharing),
                    help="exclusive: least-loaded routing; mesh (LLM-Mesh, models sharing workers): bin-packing "
                         "routing, and workers may refuse a request as busy")
+    p.add_argument("--max-messages", type=int,
+                   default=int(env("LAYERCAST_MAX_MESSAGES", GatewayConfig.max_messages)),
+                   help="chat messages per request at most (content parts, tool calls and tools count too)")
+    p.add_argument("--max-token-ids", type=int,
+                   default=int(env("LAYERCAST_MAX_TOKEN_IDS", GatewayConfig.max_token_ids)),
+                   help="token ids in a prompt (or /detokenize list) at most")
+    p.add_argument("--header-timeout", type=float,
+                   default=float(env("LAYERCAST_HEADER_TIMEOUT_S", GatewayConfig.header_timeout_s)),
+                   help="seconds for a request's headers to arrive; the connection is closed after")
+    p.add_argument("--body-timeout", type=float,
+                   default=float(env("LAYERCAST_BODY_TIMEOUT_S", GatewayConfig.body_timeout_s)),
+                   help="seconds for a request's body to arrive after its headers; 408 after")
+    p.add_argument("--max-connections", type=int,
+                   default=int(env("LAYERCAST_MAX_CONNECTIONS", GatewayConfig.max_connections)),
+                   help="open connections at most; a request beyond them is answered 503")
     a = p.parse_args()
     try:  # argparse checks choices on the flag, not on a default from the env
         sharing_setting(a.sharing)
@@ -50,11 +64,14 @@ def main() -> None:
     config = GatewayConfig(queue_timeout_s=a.queue_timeout, slots_per_instance=a.slots_per_instance,
                            max_context=a.max_context, max_body_bytes=a.max_body_bytes,
                            tokenizer_threads=a.tokenizer_threads, key_cache_s=a.key_cache_s,
-                           max_n=a.max_n, sharing=a.sharing)
+                           max_n=a.max_n, sharing=a.sharing, max_messages=a.max_messages,
+                           max_token_ids=a.max_token_ids, header_timeout_s=a.header_timeout,
+                           body_timeout_s=a.body_timeout, max_connections=a.max_connections)
     app = create_app(GatewayService(config), _keys(env("LAYERCAST_API_KEYS"), "LAYERCAST_API_KEYS"),
                      _keys(env("LAYERCAST_ADMIN_KEYS"), "LAYERCAST_ADMIN_KEYS"))
-    uvicorn.run(app, host=a.host, port=a.port, log_level=env("LAYERCAST_LOG_LEVEL", "info").lower(),
-                timeout_graceful_shutdown=5)
+    serve(app, host=a.host, port=a.port, log_level=env("LAYERCAST_LOG_LEVEL", "info").lower(),
+          header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s,
+          max_connections=config.max_connections)
 
 
 if __name__ == "__main__":

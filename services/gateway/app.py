@@ -14,7 +14,10 @@ from pathlib import Path
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
+from pydantic import ValidationError
+from pydantic_core import from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libs.checkpoint import CheckpointIndex, is_block_checkpoint
@@ -34,7 +37,14 @@ from services.gateway.schemas import (
     ProfileRequest,
     TokenizeRequest,
 )
-from services.gateway.service import INLINE_TOKENIZE_BYTES, GatewayService, Generation, ModelEntry, Piece
+from services.gateway.service import (
+    INLINE_TOKENIZE_BYTES,
+    GatewayConfig,
+    GatewayService,
+    Generation,
+    ModelEntry,
+    Piece,
+)
 from services.gateway.tenants import Caller, Tenants, Ticket, new_secret
 from services.gateway.structured import (
     ForcedCall,
@@ -114,6 +124,67 @@ class BodyLimit:
         await error.response()(scope, receive, send)
 
 
+def bounded_input_route(config: GatewayConfig) -> type[APIRoute]:
+    """Routes that parse a JSON body themselves, before FastAPI would, and refuse one with more
+    chat messages or token ids than `config` allows before pydantic validates each item (work
+    proportional to the count, on the event loop). The parser is pydantic-core's: it refuses a
+    lone UTF-16 surrogate ("\\ud800"), which no UTF-8 text can hold, so no handler meets one
+    when it encodes the text. Parsing stays on the event loop: tens of ms for a body at the
+    8 MiB limit, and the parser holds the GIL, so a thread would not free the loop meanwhile."""
+
+    class BoundedInputRoute(APIRoute):
+        def get_route_handler(self):
+            handle = super().get_route_handler()
+
+            async def parse_then_handle(request: Request) -> Response:
+                if request.method in ("POST", "PUT", "PATCH") and _json_content(request.headers.get("content-type")):
+                    body = await request.body()
+                    if body:
+                        try:
+                            data = from_json(body)
+                        except ValueError as e:
+                            raise APIError(400, f"The request body is not valid JSON (or holds a lone UTF-16 "
+                                           f"surrogate, which is not text): {e}", code="invalid_json") from e
+                        check_input_counts(data, config)
+                        request._json = data  # what FastAPI's request.json() returns: not parsed again
+                return await handle(request)
+            return parse_then_handle
+
+    return BoundedInputRoute
+
+
+def _json_content(content_type: str | None) -> bool:
+    """Whether FastAPI would parse a body of this type as JSON (none given: it would)."""
+    if not content_type:
+        return True
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def check_input_counts(data, config: GatewayConfig) -> None:
+    """400 for a body with more chat messages (content parts, tool calls and tools counted too)
+    or token ids than `config` allows; in time proportional to the number of messages only."""
+    if not isinstance(data, dict):
+        return
+    messages, tools = data.get("messages"), data.get("tools")
+    items = len(tools) if isinstance(tools, list) else 0
+    if isinstance(messages, list):
+        items += len(messages)
+        if items <= config.max_messages:  # each message's parts and calls: only for a bounded list
+            for msg in messages:
+                if isinstance(msg, dict):
+                    items += sum(len(v) for v in (msg.get("content"), msg.get("tool_calls")) if isinstance(v, list))
+    if items > config.max_messages:
+        raise APIError(400, f"Invalid 'messages': too many items: {items} messages, content parts, tool calls "
+                       f"and tools, more than this gateway's limit of {config.max_messages}", param="messages",
+                       code="array_above_max_length")
+    for name in ("prompt", "tokens"):
+        ids = data.get(name)
+        if isinstance(ids, list) and len(ids) > config.max_token_ids:
+            raise APIError(400, f"Invalid '{name}': {len(ids)} token ids, more than this gateway's limit of "
+                           f"{config.max_token_ids}", param=name, code="array_above_max_length")
+
+
 def _param(loc: tuple) -> str:
     parts = [str(p) for p in loc if p != "body"]
     # pydantic reports union members (e.g. 'str', 'list[str]'): keep the field path only
@@ -136,6 +207,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         await service.stop()
 
     app = FastAPI(title="layercast gateway", version="0.1.0", lifespan=lifespan)
+    app.router.route_class = bounded_input_route(service.config)  # every route defined below
     app.add_middleware(BodyLimit, max_bytes=service.config.max_body_bytes)
 
     async def api_key(request: Request) -> Caller:
@@ -212,7 +284,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         nbytes = sum(utf8_len(t["content"]) for t in turns) + (utf8_len(json.dumps(tools)) if native else 0)
         return await service.tokenize(entry, nbytes, "messages",
                                       lambda: _chat_ids(entry, turns, add_generation_prompt, add_special_tokens,
-                                                        list(tools) if native else None))
+                                                        list(tools) if native else None), messages=len(turns))
 
     def sampling(entry: ModelEntry, body: CompletionRequest | ChatCompletionRequest, prompt_len: int,
                  grammar: str | None) -> m.SamplingSpec:
@@ -391,8 +463,12 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
     # --- admin API --------------------------------------------------------------------------------------
     @app.post("/admin/v1/models", dependencies=[Depends(admin_key)], status_code=201)
     async def deploy(body: DeployRequest) -> JSONResponse:
-        path = Path(body.path).expanduser().resolve()
-        if not path.is_dir():
+        try:
+            path = Path(body.path).expanduser().resolve()
+            is_dir = path.is_dir()
+        except (OSError, RuntimeError) as e:  # a name too long, a loop of links, an unknown ~user
+            raise APIError(400, f"path {body.path[:200]!r} cannot be read: {e.strerror or e}", param="path") from e
+        if not is_dir:
             raise APIError(400, f"path {body.path!r} is not a directory", param="path")
         if not is_block_checkpoint(path):
             raise APIError(400, f"{body.path!r} is not a converted layercast checkpoint: run "
@@ -480,8 +556,12 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
 
     @app.delete("/admin/v1/keys/{key_id}", dependencies=[Depends(admin_key)])
     async def revoke_key(key_id: str) -> dict:
-        info = await _registry(subjects.REGISTRY_KEY_REVOKE, m.ApiKeyRef(key_id=key_id), m.ApiKeyInfo,
-                               param="key_id")
+        try:
+            ref = m.ApiKeyRef(key_id=key_id)
+        except ValidationError as e:
+            raise APIError(400, f"Invalid key id {key_id[:80]!r}: {e.errors()[0]['msg']}", param="key_id",
+                           code="invalid_value") from e
+        info = await _registry(subjects.REGISTRY_KEY_REVOKE, ref, m.ApiKeyInfo, param="key_id")
         tenants.forget(key_id)  # refused here at once; other gateways within their cache time
         return {**info.model_dump(mode="json"), "revoked": True}
 

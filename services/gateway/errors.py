@@ -7,6 +7,7 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "invalid_request_error",  # the request did not arrive in time (services/gateway/server.py)
     409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_error",

@@ -278,6 +278,13 @@ class DeployRequest(_Body):
             data = {**data, "policy": policy, "policy_params": params}
         return data
 
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        if "\x00" in v:  # no file system path holds one: the OS would refuse it (a 500, unchecked)
+            raise ValueError("a path must not contain a NUL character")
+        return v
+
     @field_validator("policy_params")
     @classmethod
     def _policy_params(cls, v: dict[str, float], info: ValidationInfo) -> dict[str, float]:
@@ -308,5 +315,5 @@ class KeyRequest(_Body):
 
     name: m.KeyName
     models: list[str] | None = Field(default=None, min_length=1)
-    requests_per_minute: int | None = Field(default=None, ge=1)
-    tokens_per_minute: int | None = Field(default=None, ge=1)
+    requests_per_minute: m.PerMinuteLimit | None = None
+    tokens_per_minute: m.PerMinuteLimit | None = None

@@ -1,8 +1,11 @@
 """Admission at the gateway, over HTTP against a real cluster: what is refused before any
-work (bodies over the size limit, prompts that cannot fit the context), large prompts
-tokenized without delaying anyone else, and the tokenizer endpoints (/tokenize, /detokenize)."""
+work (bodies over the size limit, prompts that cannot fit the context, too many messages or
+token ids), large prompts tokenized without delaying anyone else, bad input answered 400,
+clients that stall mid-request disconnected, and the tokenizer endpoints (/tokenize, /detokenize)."""
 
 import json
+import re
+import socket
 import statistics
 import threading
 import time
@@ -12,19 +15,27 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TEST_ADMIN_KEY, TEST_API_KEY, one_worker_cluster
+from conftest import TEST_ADMIN_KEY, TEST_API_KEY, running_cluster
 from test_serving_e2e import assert_openai_error
 
 pytestmark = pytest.mark.slow
 
 API_KEY, ADMIN_KEY = TEST_API_KEY, TEST_ADMIN_KEY
 MAX_BODY_BYTES = 8 * 1024 * 1024  # the gateway's default
+MAX_MESSAGES, MAX_TOKEN_IDS = 2048, 131072  # the gateway's defaults
+# Short, so the tests of clients that stall wait little; the cap above what the other tests open.
+HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_CONNECTIONS = 2.0, 3.0, 48
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
-    with one_worker_cluster(tmp_path_factory, postgres_server_url, tiny_checkpoint, nats_url,
-                            f"lca{uuid.uuid4().hex[:8]}") as state:
+    # one_worker_cluster's, with the gateway's server limits set through its environment
+    with running_cluster(postgres_server_url, tiny_checkpoint, dict(min_instances=1, max_instances=1, keep_alive_s=600),
+                         state_dir=tmp_path_factory.mktemp("cluster"), api_key=API_KEY, admin_key=ADMIN_KEY,
+                         workers=1, nats_url=nats_url, namespace=f"lca{uuid.uuid4().hex[:8]}", heartbeat_ttl_s=2.0,
+                         extra_env={"LAYERCAST_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
+                                    "LAYERCAST_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
+                                    "LAYERCAST_MAX_CONNECTIONS": str(MAX_CONNECTIONS)}) as state:
         yield state
 
 
@@ -181,3 +192,164 @@ def test_tokenizer_endpoints_answer_errors_as_the_api_does(cluster):
     # A prompt no context holds is refused before tokenizing, as by the completion endpoints.
     err = assert_openai_error(c.post("/tokenize", json={"model": "tiny", "prompt": "1" * 2_000_000}), 400, "prompt")
     assert err["code"] == "context_length_exceeded"
+
+
+# --- input proportional work: bounded, or off the event loop ----------------------------------------
+def tokenizer_runs(cluster) -> dict[str, float]:
+    """layercast_gateway_tokenizer_runs_total by the thread the work ran in."""
+    text = httpx.get(f"{cluster.gateway_url}/metrics").text
+    return {thread: float(v) for thread, v in
+            re.findall(r'^layercast_gateway_tokenizer_runs_total\{thread="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def test_many_short_chat_messages_are_templated_and_tokenized_in_a_tokenizer_thread(cluster):
+    """Content bytes alone made 233,000 empty messages "small": templated on the event loop."""
+    c = api(cluster)
+    small = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+    many = {"model": "tiny", "messages": [{"role": "user", "content": ""}] * 1500}
+    before = tokenizer_runs(cluster)
+    assert c.post("/tokenize", json=small).status_code == 200
+    after_small = tokenizer_runs(cluster)
+    assert after_small.get("event_loop", 0) == before.get("event_loop", 0) + 1  # the counter tells them apart
+    r = c.post("/tokenize", json=many)
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] > 1500
+    after_many = tokenizer_runs(cluster)
+    assert after_many.get("event_loop", 0) == after_small.get("event_loop", 0), "templated on the event loop"
+    assert after_many["thread"] == after_small.get("thread", 0) + 1
+
+
+def test_too_many_messages_or_token_ids_are_refused_unvalidated_without_delaying_anyone(cluster):
+    c = api(cluster)
+    empties = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": ""}] * 233_000}).encode()
+    ids = json.dumps({"model": "tiny", "prompt": [12345] * 1_000_000, "max_tokens": 1}).encode()
+    print(f"\n{len(empties)} bytes of empty messages, {len(ids)} bytes of token ids")
+    for path, body, param in (("/v1/chat/completions", empties, "messages"), ("/tokenize", empties, "messages"),
+                              ("/v1/completions", ids, "prompt")):
+        r, took = post_timed(c, path, body)
+        print(f"{path}: {len(body)} bytes refused in {took * 1000:.0f} ms")
+        assert assert_openai_error(r, 400, param)["code"] == "array_above_max_length"
+    at_limit = [{"role": "user", "content": ""}] * MAX_MESSAGES
+    assert c.post("/tokenize", json={"model": "tiny", "messages": at_limit}).status_code == 200
+    parts = [{"role": "user", "content": [{"type": "text", "text": ""}] * MAX_MESSAGES}]  # parts count too
+    assert_openai_error(c.post("/tokenize", json={"model": "tiny", "messages": parts}), 400, "messages")
+    detok = json.dumps({"model": "tiny", "tokens": [5] * (MAX_TOKEN_IDS + 1)}).encode()
+    assert assert_openai_error(c.post("/detokenize", content=detok), 400, "tokens")["code"] == "array_above_max_length"
+
+    small = completion_body("Hello there", temperature=0)
+    for _ in range(3):
+        assert c.post("/v1/completions", content=small).status_code == 200
+    alone = statistics.median(post_timed(c, "/v1/completions", small)[1] for _ in range(5))
+    stop = threading.Event()
+    refused: list[int] = []
+
+    def send_large(body: bytes) -> None:
+        b = api(cluster)
+        while not stop.is_set():
+            refused.append(b.post("/v1/chat/completions", content=body).status_code)
+    senders = [threading.Thread(target=send_large, args=(body,)) for body in (empties, empties, ids)]
+    for t in senders:
+        t.start()
+    time.sleep(0.3)
+    during = []
+    for _ in range(10):
+        r, took = post_timed(c, "/v1/completions", small)
+        assert r.status_code == 200, r.text
+        during.append(took)
+    stop.set()
+    for t in senders:
+        t.join()
+    print(f"\nsmall request alone {alone * 1000:.0f} ms, during large bodies (refused {len(refused)}) "
+          f"{[round(d * 1000) for d in during]} ms")
+    assert refused and set(refused) == {400}
+    assert max(during) <= alone + 0.5, (alone, during)  # generous: JSON parsing (~0.1 s a body) stays
+
+
+# --- bad input: a 400, never a 5xx ------------------------------------------------------------------
+def test_a_lone_surrogate_in_a_prompt_or_message_is_a_400(cluster):
+    c = api(cluster)
+    for path, body in (("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 1}'),
+                       ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", '
+                                                b'"content": "\\ud800"}], "max_tokens": 1}'),
+                       ("/tokenize", b'{"model": "tiny", "prompt": "\\udfff"}')):
+        assert assert_openai_error(c.post(path, content=body), 400)["code"] == "invalid_json"
+    # a surrogate pair is a character: fine
+    r = c.post("/v1/completions", content=b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 1}')
+    assert r.status_code == 200, r.text
+
+
+def test_a_nul_in_a_deploy_path_is_a_400(cluster, tiny_checkpoint):
+    admin = api(cluster, ADMIN_KEY)
+    r = admin.post("/admin/v1/models", json={"name": "nul-path", "path": f"{tiny_checkpoint}\x00x"})
+    assert_openai_error(r, 400, "path")
+    for path in ("/" + "a" * 300, "/x/" * 2000):  # a name the OS refuses as too long: a 400 too
+        assert_openai_error(admin.post("/admin/v1/models", json={"name": "long-path", "path": path}), 400, "path")
+
+
+def test_a_malformed_key_id_is_a_400(cluster):
+    admin = api(cluster, ADMIN_KEY)
+    assert_openai_error(admin.delete("/admin/v1/keys/" + "k" * 65), 400, "key_id")
+    assert_openai_error(admin.delete("/admin/v1/keys/no-such-key"), 404, "key_id")  # well-formed: looked up
+
+
+def test_a_per_minute_limit_the_registry_cannot_store_is_a_400(cluster):
+    admin = api(cluster, ADMIN_KEY)
+    for field in ("requests_per_minute", "tokens_per_minute"):
+        assert_openai_error(admin.post("/admin/v1/keys", json={"name": f"big-{field}", field: 2**31}), 400, field)
+        r = admin.post("/admin/v1/keys", json={"name": f"max-{field}", field: 2**31 - 1})
+        assert r.status_code == 201 and r.json()[field] == 2**31 - 1, r.text
+
+
+# --- clients that stall mid-request ---------------------------------------------------------------
+def connect(cluster) -> socket.socket:
+    host, port = cluster.gateway_url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.settimeout(HEADER_TIMEOUT_S + BODY_TIMEOUT_S + 20)  # far beyond the gateway's own timeouts
+    return s
+
+
+def read_until_closed(s: socket.socket) -> bytes:
+    got = b""
+    while chunk := s.recv(65536):  # a socket.timeout here: the gateway held the connection
+        got += chunk
+    return got
+
+
+def test_a_client_stalling_in_its_headers_or_body_is_disconnected_and_others_are_served(cluster):
+    c = api(cluster)
+    stalled_headers = connect(cluster)
+    stalled_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n")
+    silent = connect(cluster)  # connects, sends nothing
+    stalled_body = connect(cluster)
+    stalled_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                         b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"mo")
+    kept_alive = connect(cluster)  # one request answered, then the next one's headers stall
+    kept_alive.sendall(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")
+    first = b""
+    while b'{"status":"ok"}' not in first:
+        first += kept_alive.recv(65536)
+    kept_alive.sendall(b"GET /health HTTP/1.1\r\n")  # uvicorn's keep-alive timer stops at this byte
+    t0 = time.monotonic()
+    r = c.post("/v1/completions", content=completion_body("Hello there"))
+    assert r.status_code == 200, r.text  # served meanwhile
+    assert read_until_closed(stalled_headers) == b"" and read_until_closed(silent) == b""
+    assert read_until_closed(kept_alive) == b""
+    closed_after = time.monotonic() - t0
+    answer = read_until_closed(stalled_body)
+    body_closed_after = time.monotonic() - t0
+    print(f"\nheaders stalled: closed after {closed_after:.1f} s; body stalled: 408 after {body_closed_after:.1f} s")
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer
+    assert json.loads(payload)["error"]["code"] == "request_timeout"
+    assert c.post("/v1/completions", content=completion_body("Hello there")).status_code == 200
+
+
+def test_connections_beyond_the_cap_are_refused_until_stalled_ones_are_closed(cluster):
+    stalled = [connect(cluster) for _ in range(MAX_CONNECTIONS)]
+    for s in stalled:
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+    r = httpx.get(f"{cluster.gateway_url}/health")
+    assert r.status_code == 503, r.text  # over the cap
+    for s in stalled:
+        assert read_until_closed(s) == b""  # the header timeout frees them
+    assert httpx.get(f"{cluster.gateway_url}/health").status_code == 200
