@@ -139,7 +139,9 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
     app.add_middleware(BodyLimit, max_bytes=service.config.max_body_bytes)
 
     async def api_key(request: Request) -> Caller:
-        return await tenants.authenticate(_bearer(request))
+        caller = await tenants.authenticate(_bearer(request))
+        await service.wait_synced()  # a just-started gateway: hold the request for the registry's models
+        return caller
 
     def model_entry(caller: Caller, name: str) -> ModelEntry:
         # A model the key may not use is refused exactly as one that does not exist.

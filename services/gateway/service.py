@@ -107,6 +107,10 @@ class GatewayConfig:
     # model request is answered 503 with this Retry-After, never 404: a client retries a 503
     # (the openai client twice, honouring Retry-After) but takes a 404 as final.
     not_ready_retry_after_s: float = 2.0
+    # A request that arrives before that first read waits this long for it before that 503: a
+    # restarted gateway reads the registry within a second or two, and a request held that long
+    # spends none of its client's retries (which connection errors during the restart may have used).
+    first_sync_wait_s: float = 5.0
     key_cache_s: float = 5.0  # how long a registry key's lookup is trusted (a revocation's delay)
     usage_flush_s: float = 1.0  # usage is recorded in the registry this often
     max_n: int = 8  # choices per request at most (each takes a KV slot)
@@ -299,6 +303,7 @@ class GatewayService(Service):
         self.models: dict[str, ModelEntry] = {}
         self.streams: dict[str, Generation] = {}
         self._synced = False
+        self._first_sync = asyncio.Event()  # set once, when the registry has been read
         self.listed: set[str] = set()  # the models the registry listed at the last read (some may be loading)
         self.ended = EndedInstances()
         self._adding: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -311,6 +316,14 @@ class GatewayService(Service):
     def healthy(self) -> bool:
         """Ready: the registry has been read once (a process that is up but not ready is live)."""
         return self._synced
+
+    async def wait_synced(self) -> None:
+        """Until the registry has been read once, at most `first_sync_wait_s` (then require_synced's 503)."""
+        if not self._synced:
+            try:
+                await asyncio.wait_for(self._first_sync.wait(), self.config.first_sync_wait_s)
+            except TimeoutError:
+                pass
 
     def require_synced(self) -> None:
         """503 until the registry has been read once: until then no model is known to exist or not."""
@@ -417,7 +430,12 @@ class GatewayService(Service):
         for entry in self.models.values():
             for iid in [i for i in entry.routes.routes if i not in live]:
                 self._drop_route(entry, iid, "instance no longer in the registry")
+        self._mark_synced()
+
+    def _mark_synced(self) -> None:
+        """The registry has been read: models not in it do not exist (404), the gateway is ready."""
         self._synced = True
+        self._first_sync.set()
 
     async def publish_metrics(self) -> None:
         loads = []

@@ -118,7 +118,7 @@ async def test_a_model_request_is_503_with_retry_after_until_the_model_can_be_to
     for name in ("tiny", "nope"):
         e = refused(name)
         assert (e.status, e.code) == (503, "gateway_starting") and e.retry_after >= 1
-    gateway._synced = True  # what the first resync sets once it has read the registry
+    gateway._mark_synced()  # what the first resync does once it has read the registry
     loading = asyncio.create_task(gateway.add_model(info))
     await asyncio.sleep(0)  # reading the tokenizer
     e = refused("tiny")
@@ -128,3 +128,20 @@ async def test_a_model_request_is_503_with_retry_after_until_the_model_can_be_to
     assert gateway.entry("tiny") is entry is gateway.models["tiny"]
     hidden = pytest.raises(APIError, gateway.entry, "tiny", visible=False)
     assert hidden.value.status == 404  # a model the key may not use: as one that does not exist
+
+
+async def test_a_request_before_the_first_registry_read_waits_for_it_then_is_refused_503_if_it_does_not_come():
+    from services.gateway.service import GatewayConfig, GatewayService
+
+    gateway = GatewayService(GatewayConfig(first_sync_wait_s=600))
+    held = asyncio.create_task(gateway.wait_synced())
+    await asyncio.sleep(0)
+    assert not held.done()  # held, not refused at once
+    gateway._mark_synced()
+    await asyncio.wait_for(held, 60)  # released by the read (the wait alone is 600 s)
+
+    gateway = GatewayService(GatewayConfig(first_sync_wait_s=0.01))
+    await gateway.wait_synced()  # no read came: the wait ends, and the model lookup answers 503
+    with pytest.raises(APIError) as e:
+        gateway.entry("tiny")
+    assert (e.value.status, e.value.code) == (503, "gateway_starting")
