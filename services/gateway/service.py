@@ -373,6 +373,7 @@ class GatewayService(Service):
         return entry
 
     def drop_model(self, name: str) -> None:
+        self.listed.discard(name)  # deleted: a 404 from now on, not a 503 "not loaded yet"
         entry = self.models.pop(name, None)
         if entry is not None:
             entry.routes.fail_all(f"model {name!r} was deleted")
@@ -474,7 +475,6 @@ class GatewayService(Service):
                 self.listed.add(ev.model.name)
                 await self.add_model(ev.model)
             else:
-                self.listed.discard(ev.model.name)
                 self.drop_model(ev.model.name)
 
     # --- requests ----------------------------------------------------------------------------------
@@ -486,8 +486,8 @@ class GatewayService(Service):
             return entry
         self.require_synced()
         if visible and (name in self.listed or self._adding_now(name)):
-            # The registry has it but its tokenizer is not loaded (yet, or failed to load): it exists.
-            raise APIError(503, f"The model '{name}' is loading at this gateway", param="model",
+            # The registry has it but its tokenizer is not loaded here (loading, or failed to): it exists.
+            raise APIError(503, f"The model '{name}' is not loaded at this gateway yet", param="model",
                            code="model_loading", retry_after=self.config.not_ready_retry_after_s)
         raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
 

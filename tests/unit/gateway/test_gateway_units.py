@@ -128,6 +128,10 @@ async def test_a_model_request_is_503_with_retry_after_until_the_model_can_be_to
     assert gateway.entry("tiny") is entry is gateway.models["tiny"]
     hidden = pytest.raises(APIError, gateway.entry, "tiny", visible=False)
     assert hidden.value.status == 404  # a model the key may not use: as one that does not exist
+    gateway.listed.add("other")  # the registry lists it, its tokenizer failed to load here
+    assert (refused("other").status, refused("other").code) == (503, "model_loading")
+    gateway.drop_model("other")  # deleted: it does not exist any more
+    assert refused("other").status == 404
 
 
 async def test_a_request_before_the_first_registry_read_waits_for_it_then_is_refused_503_if_it_does_not_come():
