@@ -211,7 +211,9 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
     app.add_middleware(BodyLimit, max_bytes=service.config.max_body_bytes)
 
     async def api_key(request: Request) -> Caller:
-        return await tenants.authenticate(_bearer(request))
+        caller = await tenants.authenticate(_bearer(request))
+        await service.wait_synced()  # a just-started gateway: hold the request for the registry's models
+        return caller
 
     def model_entry(caller: Caller, name: str) -> ModelEntry:
         # A model the key may not use is refused exactly as one that does not exist.
@@ -257,8 +259,14 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
     # --- operations ----------------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> JSONResponse:
+        """Readiness: 503 until the registry has been read once (no model could be answered before)."""
         ok = service.healthy()
         return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
+
+    @app.get("/livez")
+    async def livez() -> JSONResponse:
+        """Liveness: the process answers. Not the registry: a registry outage must not restart gateways."""
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -267,6 +275,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
     # --- OpenAI API ----------------------------------------------------------------------------------
     @app.get("/v1/models")
     async def list_models(caller: Caller = Depends(api_key)) -> dict:
+        service.require_synced()  # an empty list before the first registry read would be a wrong answer
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": int(e.info.created_at), "owned_by": "layercast"}
             for name, e in sorted(service.models.items()) if caller.allows(name)]}

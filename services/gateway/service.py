@@ -110,6 +110,14 @@ class GatewayConfig:
     tokenizer_threads: int = field(default_factory=lambda: max(1, (os.cpu_count() or 2) // 2))
     metrics_interval_s: float = 0.5
     resync_interval_s: float = 5.0
+    # Before the first registry read (or while a model the registry lists is still loading) a
+    # model request is answered 503 with this Retry-After, never 404: a client retries a 503
+    # (the openai client twice, honouring Retry-After) but takes a 404 as final.
+    not_ready_retry_after_s: float = 2.0
+    # A request that arrives before that first read waits this long for it before that 503: a
+    # restarted gateway reads the registry within a second or two, and a request held that long
+    # spends none of its client's retries (which connection errors during the restart may have used).
+    first_sync_wait_s: float = 5.0
     key_cache_s: float = 5.0  # how long a registry key's lookup is trusted (a revocation's delay)
     usage_flush_s: float = 1.0  # usage is recorded in the registry this often
     max_n: int = 8  # choices per request at most (each takes a KV slot)
@@ -313,6 +321,8 @@ class GatewayService(Service):
         self.models: dict[str, ModelEntry] = {}
         self.streams: dict[str, Generation] = {}
         self._synced = False
+        self._first_sync = asyncio.Event()  # set once, when the registry has been read
+        self.listed: set[str] = set()  # the models the registry listed at the last read (some may be loading)
         self.ended = EndedInstances()
         self._adding: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._demand = asyncio.Event()
@@ -322,7 +332,22 @@ class GatewayService(Service):
         self._subscribe()
 
     def healthy(self) -> bool:
+        """Ready: the registry has been read once (a process that is up but not ready is live)."""
         return self._synced
+
+    async def wait_synced(self) -> None:
+        """Until the registry has been read once, at most `first_sync_wait_s` (then require_synced's 503)."""
+        if not self._synced:
+            try:
+                await asyncio.wait_for(self._first_sync.wait(), self.config.first_sync_wait_s)
+            except TimeoutError:
+                pass
+
+    def require_synced(self) -> None:
+        """503 until the registry has been read once: until then no model is known to exist or not."""
+        if not self._synced:
+            raise APIError(503, "The gateway is starting and has not read the model registry yet",
+                           code="gateway_starting", retry_after=self.config.not_ready_retry_after_s)
 
     async def stop(self) -> None:
         await super().stop()
@@ -366,6 +391,7 @@ class GatewayService(Service):
         return entry
 
     def drop_model(self, name: str) -> None:
+        self.listed.discard(name)  # deleted: a 404 from now on, not a 503 "not loaded yet"
         entry = self.models.pop(name, None)
         if entry is not None:
             entry.routes.fail_all(f"model {name!r} was deleted")
@@ -408,6 +434,7 @@ class GatewayService(Service):
         """Rebuild the tables from the registry; events keep them fresh in between."""
         view = await call(self.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0), m.ClusterView)
         names = {mi.name for mi in view.models}
+        self.listed = names
         for name in list(self.models):
             if name not in names:
                 self.drop_model(name)
@@ -422,7 +449,12 @@ class GatewayService(Service):
         for entry in self.models.values():
             for iid in [i for i in entry.routes.routes if i not in live]:
                 self._drop_route(entry, iid, "instance no longer in the registry")
+        self._mark_synced()
+
+    def _mark_synced(self) -> None:
+        """The registry has been read: models not in it do not exist (404), the gateway is ready."""
         self._synced = True
+        self._first_sync.set()
 
     async def publish_metrics(self) -> None:
         loads = []
@@ -458,17 +490,28 @@ class GatewayService(Service):
         @on_event(m.ModelEvent)
         async def model(ev: m.ModelEvent) -> None:
             if ev.kind == "deployed":
+                self.listed.add(ev.model.name)
                 await self.add_model(ev.model)
             else:
                 self.drop_model(ev.model.name)
 
     # --- requests ----------------------------------------------------------------------------------
     def entry(self, name: str, visible: bool = True) -> ModelEntry:
-        """The model's entry; 404 if there is none, or if the caller may not see it (`visible`)."""
+        """The model's entry; 404 if there is none, or if the caller may not see it (`visible`);
+        503 + Retry-After while that cannot be told yet (registry not read, or the model loading)."""
         entry = self.models.get(name)
-        if entry is None or not visible:
-            raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
-        return entry
+        if entry is not None and visible:
+            return entry
+        self.require_synced()
+        if visible and (name in self.listed or self._adding_now(name)):
+            # The registry has it but its tokenizer is not loaded here (loading, or failed to): it exists.
+            raise APIError(503, f"The model '{name}' is not loaded at this gateway yet", param="model",
+                           code="model_loading", retry_after=self.config.not_ready_retry_after_s)
+        raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+
+    def _adding_now(self, name: str) -> bool:
+        lock = self._adding.get(name)  # .get: a lookup must not add a lock for every name asked about
+        return lock is not None and lock.locked()
 
     async def tokenize(self, entry: ModelEntry, nbytes: int, param: str, work: Callable[[], list[int]],
                        messages: int = 0) -> list[int]:

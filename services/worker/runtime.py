@@ -23,10 +23,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from prometheus_client import Counter
+
 from libs.engine import AdmissionError, Engine, SamplingSpec, StepShape, TokenOutput
 from libs.planning.mesh import RunningRequest, most_urgent
 
 log = logging.getLogger(__name__)
+
+# Work dropped on a cancel (its client went away, or a hand-over): the engine freed its slots.
+CANCELLED = Counter("layercast_worker_cancelled_requests_total",
+                    "Requests an engine dropped unfinished on a cancel (KV slots freed)")
 
 
 @dataclass
@@ -201,8 +207,8 @@ class EngineRuntime:
             self._clocks.pop(key, None)
             if key in self._running:
                 del self._running[key]
-                if cmd.instance_id in self._engines:
-                    self._engines[cmd.instance_id].cancel(cmd.request_id)
+                if cmd.instance_id in self._engines and self._engines[cmd.instance_id].cancel(cmd.request_id):
+                    CANCELLED.inc()
 
     def _run(self) -> None:
         while not self._stopping:

@@ -96,8 +96,12 @@ def test_our_containers_have_health_probes_resources_and_run_as_non_root(overlay
         for c in filter(ours, containers(w)):
             seen.add(w["metadata"]["name"])
             where = f"{overlay}: {w['kind']}/{w['metadata']['name']} container {c['name']}"
-            for probe in ("readinessProbe", "livenessProbe"):
-                assert c.get(probe, {}).get("httpGet", {}).get("path") == "/health", f"{where}: {probe}"
+            # The gateway's liveness is its own process (/livez): its readiness (/health) waits for the
+            # registry, and a registry outage must take gateways out of the Service, not restart them.
+            live = "/livez" if w["metadata"]["name"] == "gateway" else "/health"
+            paths = {"readinessProbe": "/health", "livenessProbe": live, "startupProbe": live}
+            for probe, path in paths.items():
+                assert c.get(probe, {}).get("httpGet", {}).get("path") == path, f"{where}: {probe}"
             for part in ("requests", "limits"):
                 assert {"cpu", "memory"} <= set(c.get("resources", {}).get(part, {})), f"{where}: {part}"
             sc = {**pod.get("securityContext", {}), **c.get("securityContext", {})}

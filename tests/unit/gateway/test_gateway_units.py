@@ -94,3 +94,58 @@ async def test_a_model_added_from_several_paths_at_once_gets_one_entry(tiny_chec
     entries[0].routes.add("inst-1", "worker-0")
     again = await gateway.add_model(info.model_copy(update={"max_queue": 7}))
     assert again is entries[0] and again.routes.max_queue == 7 and list(again.routes.routes) == ["inst-1"]
+
+
+async def test_a_model_request_is_503_with_retry_after_until_the_model_can_be_told_to_exist_then_404(tiny_checkpoint):
+    """Before the first registry read nothing is known: 503 + Retry-After for any name (a client
+    retries that, never a 404). After it, a model whose tokenizer is loading is 503 too; one the
+    registry does not list is 404."""
+    from libs.checkpoint import CheckpointIndex
+    from libs.protocol import messages as m
+    from services.gateway.service import GatewayService
+
+    index = CheckpointIndex.load(tiny_checkpoint)
+    info = m.ModelInfo(name="tiny", path=str(tiny_checkpoint), arch=index.arch, n_layers=index.n_layers,
+                       blocks=[m.BlockInfo(block_id=b.id, nbytes=b.nbytes, checksum=b.checksum,
+                                           layer_start=b.layer_start, layer_end=b.layer_end) for b in index.blocks],
+                       state=m.ModelState.deployed, created_at=0.0)
+    gateway = GatewayService()
+
+    def refused(name: str) -> APIError:
+        with pytest.raises(APIError) as e:
+            gateway.entry(name)
+        return e.value
+    for name in ("tiny", "nope"):
+        e = refused(name)
+        assert (e.status, e.code) == (503, "gateway_starting") and e.retry_after >= 1
+    gateway._mark_synced()  # what the first resync does once it has read the registry
+    loading = asyncio.create_task(gateway.add_model(info))
+    await asyncio.sleep(0)  # reading the tokenizer
+    e = refused("tiny")
+    assert (e.status, e.code) == (503, "model_loading") and e.retry_after >= 1
+    assert (refused("nope").status, refused("nope").code) == (404, "model_not_found")
+    entry = await loading
+    assert gateway.entry("tiny") is entry is gateway.models["tiny"]
+    hidden = pytest.raises(APIError, gateway.entry, "tiny", visible=False)
+    assert hidden.value.status == 404  # a model the key may not use: as one that does not exist
+    gateway.listed.add("other")  # the registry lists it, its tokenizer failed to load here
+    assert (refused("other").status, refused("other").code) == (503, "model_loading")
+    gateway.drop_model("other")  # deleted: it does not exist any more
+    assert refused("other").status == 404
+
+
+async def test_a_request_before_the_first_registry_read_waits_for_it_then_is_refused_503_if_it_does_not_come():
+    from services.gateway.service import GatewayConfig, GatewayService
+
+    gateway = GatewayService(GatewayConfig(first_sync_wait_s=600))
+    held = asyncio.create_task(gateway.wait_synced())
+    await asyncio.sleep(0)
+    assert not held.done()  # held, not refused at once
+    gateway._mark_synced()
+    await asyncio.wait_for(held, 60)  # released by the read (the wait alone is 600 s)
+
+    gateway = GatewayService(GatewayConfig(first_sync_wait_s=0.01))
+    await gateway.wait_synced()  # no read came: the wait ends, and the model lookup answers 503
+    with pytest.raises(APIError) as e:
+        gateway.entry("tiny")
+    assert (e.value.status, e.value.code) == (503, "gateway_starting")

@@ -10,6 +10,14 @@ from services.gateway.app import create_app
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.service import GatewayService
 
+
+def gateway_without_models() -> GatewayService:
+    """A gateway that has read a registry listing no model (else every model is 503 'starting')."""
+    gateway = GatewayService()
+    gateway._mark_synced()
+    return gateway
+
+
 KEY = "sk-test"
 BODIES = {
     "/v1/completions": (CompletionRequest, {"model": "m", "prompt": "hi"}),
@@ -24,7 +32,7 @@ ASKED = {"temperature": 0.5, "top_p": 0.8, "min_p": 0.1, "seed": 7, "presence_pe
 @pytest.fixture(scope="module")
 def client():
     # Not entered as a context manager: the lifespan (connecting to NATS) does not run.
-    return TestClient(create_app(GatewayService(), [KEY], [KEY]), headers={"Authorization": f"Bearer {KEY}"})
+    return TestClient(create_app(gateway_without_models(), [KEY], [KEY]), headers={"Authorization": f"Bearer {KEY}"})
 
 
 def test_every_sampling_parameter_has_a_value_to_check():

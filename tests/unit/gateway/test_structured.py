@@ -14,6 +14,14 @@ from services.gateway.schemas import ChatCompletionRequest
 from services.gateway.service import GatewayService
 from services.gateway.structured import ForcedCall, ToolCallParser, chat_turns, plan_chat, template_renders_tools
 
+
+def gateway_without_models() -> GatewayService:
+    """A gateway that has read a registry listing no model (else every model is 503 'starting')."""
+    gateway = GatewayService()
+    gateway._mark_synced()
+    return gateway
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -88,7 +96,7 @@ def test_tool_choices():
 
 
 def test_tool_choice_needs_tools():
-    client = TestClient(create_app(GatewayService(), ["k"], ["k"]), headers={"Authorization": "Bearer k"})
+    client = TestClient(create_app(gateway_without_models(), ["k"], ["k"]), headers={"Authorization": "Bearer k"})
     r = client.post("/v1/chat/completions", json={"model": "m", "messages": USER, "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
 

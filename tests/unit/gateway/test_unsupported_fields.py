@@ -13,6 +13,14 @@ from services.gateway.app import create_app
 from services.gateway.schemas import IGNORED_FIELDS, ChatCompletionRequest, CompletionRequest
 from services.gateway.service import GatewayService
 
+
+def gateway_without_models() -> GatewayService:
+    """A gateway that has read a registry listing no model (else every model is 503 'starting')."""
+    gateway = GatewayService()
+    gateway._mark_synced()
+    return gateway
+
+
 KEY = "sk-test"
 ENDPOINTS = {
     "/v1/completions": (completion_create_params.CompletionCreateParamsBase, CompletionRequest,
@@ -45,7 +53,7 @@ LOGPROBS = {"/v1/completions": 2, "/v1/chat/completions": True}  # an int there,
 @pytest.fixture(scope="module")
 def client():
     # Not entered as a context manager: the lifespan (connecting to NATS) does not run.
-    return TestClient(create_app(GatewayService(), [KEY], [KEY]), headers={"Authorization": f"Bearer {KEY}"})
+    return TestClient(create_app(gateway_without_models(), [KEY], [KEY]), headers={"Authorization": f"Bearer {KEY}"})
 
 
 def unsupported(r) -> str | None:
