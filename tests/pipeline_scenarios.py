@@ -174,7 +174,9 @@ def stage_worker_killed_mid_request_loses_no_accepted_request(cluster, nats_url)
         pipeline = wait_for(lambda: next((i for i in described(cluster)["instances"]
                                           if i["mode"] == "pipeline" and i["state"] == "ready"), None),
                             60, "a pipeline serving")
-        time.sleep(0.3)  # requests are running on it
+        # Requests are running on it: it has generated tokens (a fixed sleep saw none once the
+        # gateway took a moment to route to it, and then no request had anything to hand over).
+        wait_for(lambda: tokens_by_mode(cluster, "pipeline") > 0, 30, "the pipeline generating")
         victim = pipeline["stages"][1]["worker_id"]
         process = next(p for p in cluster.processes if p.name == victim)
         os.kill(process.pid, signal.SIGKILL)
