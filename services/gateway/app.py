@@ -27,6 +27,27 @@ from libs.bus.broker import RemoteError, call
 from libs.planning.mesh_profiles import InvalidProfile, profile_from_message
 from services.gateway.errors import APIError, invalid_key, missing_key
 from services.gateway.logprobs import CompletionLogprobs, chat_content
+from services.gateway.responses import (
+    ADMIN_KEY,
+    API_KEY,
+    CONFLICT,
+    INVALID,
+    LIMITED,
+    NOT_FOUND,
+    UNKNOWN_MODEL,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    Health,
+    Model,
+    ModelList,
+    Text,
+    Tokens,
+    answer,
+    errors,
+    install_openapi,
+    streamed,
+)
 from services.gateway.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -209,6 +230,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
     app = FastAPI(title="layercast gateway", version="0.1.0", lifespan=lifespan)
     app.router.route_class = bounded_input_route(service.config)  # every route defined below
     app.add_middleware(BodyLimit, max_bytes=service.config.max_body_bytes)
+    install_openapi(app)
 
     async def api_key(request: Request) -> Caller:
         caller = await tenants.authenticate(_bearer(request))
@@ -257,30 +279,33 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         return response
 
     # --- operations ----------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={**errors(), **answer(Health), 503: {
+        "model": Health, "description": "Not ready: the registry has not been read yet"}})
     async def health() -> JSONResponse:
         """Readiness: 503 until the registry has been read once (no model could be answered before)."""
         ok = service.healthy()
         return JSONResponse({"status": "ok" if ok else "starting"}, status_code=200 if ok else 503)
 
-    @app.get("/livez")
+    @app.get("/livez", response_model=None, responses=errors() | answer(Health))
     async def livez() -> JSONResponse:
         """Liveness: the process answers. Not the registry: a registry outage must not restart gateways."""
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=errors() | {200: {
+        "description": "Prometheus text format", "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     # --- OpenAI API ----------------------------------------------------------------------------------
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=errors(API_KEY) | answer(ModelList))
     async def list_models(caller: Caller = Depends(api_key)) -> dict:
         service.require_synced()  # an empty list before the first registry read would be a wrong answer
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": int(e.info.created_at), "owned_by": "layercast"}
             for name, e in sorted(service.models.items()) if caller.allows(name)]}
 
-    @app.get("/v1/models/{name:path}")
+    @app.get("/v1/models/{name:path}", response_model=None,
+             responses=errors(API_KEY, UNKNOWN_MODEL) | answer(Model))
     async def get_model(name: str, caller: Caller = Depends(api_key)) -> dict:
         e = model_entry(caller, name)
         return {"id": name, "object": "model", "created": int(e.info.created_at), "owned_by": "layercast"}
@@ -314,7 +339,8 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
             ticket.finish(accounted=False)  # nothing generated
             raise
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None,
+              responses=errors(INVALID, API_KEY, UNKNOWN_MODEL, LIMITED) | streamed(Completion, Completion))
     async def completions(body: CompletionRequest, caller: Caller = Depends(api_key)) -> Response:
         entry = model_entry(caller, body.model)
         if isinstance(body.prompt, str):
@@ -357,7 +383,8 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
                                       for i, (text, finish, pieces) in enumerate(collected)]), "usage": _usage(gen)},
                             headers=ticket.headers)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None, responses=errors(
+        INVALID, API_KEY, UNKNOWN_MODEL, LIMITED) | streamed(ChatCompletion, ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, caller: Caller = Depends(api_key)) -> Response:
         entry = model_entry(caller, body.model)
         plan = plan_chat(body)
@@ -448,7 +475,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
                              "choices": choices, "usage": _usage(gen)}, headers=ticket.headers)
 
     # --- tokenizer API, as vLLM offers it -------------------------------------------------------------
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=None, responses=errors(INVALID, API_KEY, UNKNOWN_MODEL) | answer(Tokens))
     async def tokenize(body: TokenizeRequest, caller: Caller = Depends(api_key)) -> dict:
         """The token ids a completion or chat request with this prompt or these messages is given."""
         entry = model_entry(caller, body.model)
@@ -461,7 +488,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
                                        add_special_tokens=bool(body.add_special_tokens))
         return {"count": len(ids), "max_model_len": entry.context_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=None, responses=errors(INVALID, API_KEY, UNKNOWN_MODEL) | answer(Text))
     async def detokenize(body: DetokenizeRequest, caller: Caller = Depends(api_key)) -> dict:
         entry = model_entry(caller, body.model)
         ids = _check_ids(entry, body.tokens, "tokens")
@@ -470,7 +497,8 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         return {"prompt": text}
 
     # --- admin API --------------------------------------------------------------------------------------
-    @app.post("/admin/v1/models", dependencies=[Depends(admin_key)], status_code=201)
+    @app.post("/admin/v1/models", dependencies=[Depends(admin_key)], status_code=201,
+              responses=errors(INVALID, ADMIN_KEY, CONFLICT))
     async def deploy(body: DeployRequest) -> JSONResponse:
         try:
             path = Path(body.path).expanduser().resolve()
@@ -499,7 +527,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         await service.add_model(info)
         return JSONResponse(info.model_dump(mode="json"), status_code=201)
 
-    @app.get("/admin/v1/models/{name:path}", dependencies=[Depends(admin_key)])
+    @app.get("/admin/v1/models/{name:path}", dependencies=[Depends(admin_key)], responses=errors(ADMIN_KEY, NOT_FOUND))
     async def describe(name: str) -> dict:
         info = await _registry(subjects.REGISTRY_MODEL_GET, m.ModelRef(name=name), m.ModelInfo)
         view = await _registry(subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
@@ -511,19 +539,20 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
                 "queued": entry.routes.queued if entry else 0,
                 "in_flight": entry.routes.in_flight if entry else 0}
 
-    @app.delete("/admin/v1/models/{name:path}", dependencies=[Depends(admin_key)])
+    @app.delete("/admin/v1/models/{name:path}", dependencies=[Depends(admin_key)], responses=errors(ADMIN_KEY, NOT_FOUND))
     async def delete(name: str) -> dict:
         info = await _registry(subjects.REGISTRY_MODEL_DELETE, m.ModelRef(name=name), m.ModelInfo)
         service.drop_model(name)
         return {"id": name, "object": "model", "deleted": True, "state": info.state}
 
-    @app.get("/admin/v1/cluster", dependencies=[Depends(admin_key)])
+    @app.get("/admin/v1/cluster", dependencies=[Depends(admin_key)], responses=errors(ADMIN_KEY))
     async def cluster() -> dict:
         view = await _registry(subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
         return view.model_dump(mode="json")
 
     # --- admin API: LLM-Mesh profiles (a path of their own: model names may hold "/") ------------------
-    @app.post("/admin/v1/profiles", dependencies=[Depends(admin_key)], status_code=201)
+    @app.post("/admin/v1/profiles", dependencies=[Depends(admin_key)], status_code=201,
+              responses=errors(INVALID, ADMIN_KEY))
     async def put_profile(body: ProfileRequest) -> JSONResponse:
         msg = m.ModelProfile(**body.model_dump(exclude_none=True))
         try:
@@ -533,7 +562,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         stored = await _registry(subjects.REGISTRY_PROFILE_PUT, msg, m.ModelProfile, param="model")
         return JSONResponse(stored.model_dump(mode="json", exclude={"version"}), status_code=201)
 
-    @app.get("/admin/v1/profiles/{model:path}", dependencies=[Depends(admin_key)])
+    @app.get("/admin/v1/profiles/{model:path}", dependencies=[Depends(admin_key)], responses=errors(ADMIN_KEY))
     async def get_profiles(model: str) -> dict:
         """The model's stored profile on each device kind; null for a kind never measured."""
         found: dict[str, dict | None] = {}
@@ -549,7 +578,8 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         return {"object": "model_profiles", "model": model, "profiles": found}
 
     # --- admin API: API keys and usage -------------------------------------------------------------------
-    @app.post("/admin/v1/keys", dependencies=[Depends(admin_key)], status_code=201)
+    @app.post("/admin/v1/keys", dependencies=[Depends(admin_key)], status_code=201,
+              responses=errors(INVALID, ADMIN_KEY, CONFLICT))
     async def create_key(body: KeyRequest) -> JSONResponse:
         secret, key_hash = new_secret()  # the registry gets the hash: the secret is shown here, once
         info = await _registry(subjects.REGISTRY_KEY_CREATE, m.CreateApiKey(
@@ -557,13 +587,14 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
             requests_per_minute=body.requests_per_minute, tokens_per_minute=body.tokens_per_minute), m.ApiKeyInfo)
         return JSONResponse({**info.model_dump(mode="json"), "key": secret}, status_code=201)
 
-    @app.get("/admin/v1/keys", dependencies=[Depends(admin_key)])
+    @app.get("/admin/v1/keys", dependencies=[Depends(admin_key)], responses=errors(INVALID, ADMIN_KEY))
     async def list_keys(include_revoked: bool = False) -> dict:
         keys = await _registry(subjects.REGISTRY_KEY_LIST, m.ListApiKeys(include_revoked=include_revoked),
                                m.ApiKeyList)
         return {"object": "list", "data": [k.model_dump(mode="json") for k in keys.keys]}
 
-    @app.delete("/admin/v1/keys/{key_id}", dependencies=[Depends(admin_key)])
+    @app.delete("/admin/v1/keys/{key_id}", dependencies=[Depends(admin_key)],
+                responses=errors(INVALID, ADMIN_KEY, NOT_FOUND))
     async def revoke_key(key_id: str) -> dict:
         try:
             ref = m.ApiKeyRef(key_id=key_id)
@@ -574,7 +605,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         tenants.forget(key_id)  # refused here at once; other gateways within their cache time
         return {**info.model_dump(mode="json"), "revoked": True}
 
-    @app.get("/admin/v1/usage", dependencies=[Depends(admin_key)])
+    @app.get("/admin/v1/usage", dependencies=[Depends(admin_key)], responses=errors(ADMIN_KEY))
     async def usage(key: str | None = None, model: str | None = None) -> dict:
         await tenants.flush()  # this gateway's latest counts too
         report = await _registry(subjects.REGISTRY_USAGE_GET, m.GetUsage(key=key, model=model), m.UsageReport)
