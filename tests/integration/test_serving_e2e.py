@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 from libs.checkpoint import CheckpointIndex
 from libs.engine.engine import checkpoint_eos_ids
 from conftest import running_cluster, wait_for
+from openapi_check import check_declared, check_declared_stream
 from conftest_models import reference_model
 
 pytestmark = pytest.mark.slow
@@ -152,6 +153,30 @@ def test_openai_client_completion_and_streamed_chat(cluster):
     # A chunk per generated token, even while its text is held back (a client sees the first
     # token when it comes).
     assert len([c for c in streamed if c.choices]) == done.usage.completion_tokens
+
+
+def test_answers_are_declared_in_the_gateways_openapi_document(cluster):
+    """200s of the OpenAI routes (JSON and streamed, logprobs included) and errors validate against
+    the schemas the gateway's own /openapi.json declares for them."""
+    c = api(cluster)
+    doc = c.get("/openapi.json").json()
+    messages = [{"role": "user", "content": "Hi!"}]
+    check_declared(doc, "/v1/models", "GET", c.get("/v1/models"))
+    chat = c.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 6,
+                                                 "logprobs": True, "top_logprobs": 2})
+    assert chat.status_code == 200, chat.text
+    check_declared(doc, "/v1/chat/completions", "POST", chat)
+    done = c.post("/v1/completions", json={"model": "tiny", "prompt": "Once", "max_tokens": 6, "logprobs": 1})
+    assert done.status_code == 200, done.text
+    check_declared(doc, "/v1/completions", "POST", done)
+    options = {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": 6}
+    assert check_declared_stream(doc, "/v1/chat/completions", c.post(
+        "/v1/chat/completions", json={"model": "tiny", "messages": messages, **options})) >= 2
+    assert check_declared_stream(doc, "/v1/completions", c.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "Once", **options})) >= 2
+    check_declared(doc, "/v1/chat/completions", "POST", c.post("/v1/chat/completions", json={
+        "model": "nope", "messages": messages}))  # 404
+    check_declared(doc, "/v1/models", "GET", api(cluster, key=None).get("/v1/models"))  # 401
 
 
 def test_seeds_stop_sequences_and_sampling_parameters(cluster):
