@@ -170,8 +170,10 @@ class _Overload:
     """Open-loop requests at `rps` per second (one thread each, sent on schedule whatever the
     answers), started `lead_s` before the decision so the source has a queue while targets load."""
 
-    def __init__(self, url: str, api_key: str, model: str, rps: float, max_tokens: int):
+    def __init__(self, url: str, api_key: str, model: str, rps: float, max_tokens: int, prompt_words: int = 0):
         self.url, self.api_key, self.model, self.rps, self.max_tokens = url, api_key, model, rps, max_tokens
+        # A longer prompt makes prefill (what a live pair offloads) a larger share of the work.
+        self.padding = " ".join(["token"] * prompt_words)
         # Each request: (sent, first token or None, last token or None, tokens, instance)
         self.requests: list[tuple[float, float | None, float | None, int, str]] = []
         self.stamps: list[float] = []
@@ -194,7 +196,8 @@ class _Overload:
             self._stop.wait(max(0.0, start + i / self.rps - time.time()))
 
     def _one(self) -> None:
-        body = {"model": self.model, "prompt": f"overload {uuid.uuid4().hex[:8]}", "max_tokens": self.max_tokens,
+        body = {"model": self.model, "prompt": f"overload {uuid.uuid4().hex[:8]} {self.padding}".rstrip(),
+                "max_tokens": self.max_tokens,
                 "stream": True}
         sent, first, last, tokens, instance = time.time(), None, None, 0, ""
         try:
@@ -325,13 +328,16 @@ def bound_s(mode: str, op: dict, model_bytes: int, block_bytes: list[int], profi
 def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Path, state_dir: Path,
              emulate: bool, profile, concurrency: int, max_tokens: int, timeout_s: float,
              kv_cache_gb: float = KV_CACHE_GB, burst: int = 0, overload_rps: float = 0.0,
-             overload_lead_s: float = 3.0) -> dict:
+             overload_lead_s: float = 3.0, prompt_words: int = 0) -> dict:
     with mode_cluster(mode, workers=workers, model_path=model_path, state_dir=state_dir, emulate=emulate,
                       profile=profile, min_instances=from_n, max_instances=workers, keep_alive_s=3600,
                       scale_down_delay_s=3600, ready_timeout_s=timeout_s, kv_cache_gb=kv_cache_gb,
                       # The benchmark takes the decision: every mode the same policy, held back by the
                       # delay above (blitzscale's default, threshold, would scale in after 0.5 s idle).
-                      policy="concurrency") as h:
+                      policy="concurrency",
+                      # Under the overload stream the load-monitor would scale out on its own during the
+                      # lead (it did, 0.7 s in): out of its reach, so the benchmark's decision is the one.
+                      target_concurrency=100_000 if overload_rps else None) as h:
         info = h.describe()
         block_bytes = [b["nbytes"] for b in sorted(info["blocks"], key=lambda b: b["block_id"])]
         model_bytes = sum(block_bytes)
@@ -347,7 +353,12 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
         time.sleep(1.0)
         warm = {i["instance_id"] for i in h.describe()["instances"] if i["state"] == "ready"}
         if overload_rps:
-            counter = _Overload(h.gateway_url, h.api_key, h.model, overload_rps, max_tokens)
+            # One request through first: the first mode's instance served no token for ~4 s of the
+            # stream in two runs (a cold first batch), which left it no pre-decision level to rise from.
+            with httpx.Client(timeout=300, headers={"Authorization": f"Bearer {h.api_key}"}) as c:
+                c.post(f"{h.gateway_url}/v1/completions", json={"model": h.model, "prompt": "warm-up",
+                                                                "max_tokens": max_tokens}).raise_for_status()
+            counter = _Overload(h.gateway_url, h.api_key, h.model, overload_rps, max_tokens, prompt_words)
             counter.start()
             time.sleep(overload_lead_s)  # the source's queue builds before the decision
         else:
@@ -436,7 +447,7 @@ def _median(values: list[float | None]) -> float | None:
 def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: int, model_path: Path, state_dir: Path,
                         emulate: bool, profile=None, repeat: int = 3, concurrency: int | None = None,
                         max_tokens: int = 16, timeout_s: float = 600.0, burst: int = 0,
-                        overload_rps: float = 0.0, overload_lead_s: float = 3.0) -> dict:
+                        overload_rps: float = 0.0, overload_lead_s: float = 3.0, prompt_words: int = 0) -> dict:
     """Every mode `repeat` times; per mode the median trial (by all-ready time) and the medians."""
     if not 0 < from_n < to_n <= workers:
         raise ValueError(f"need 0 < --from ({from_n}) < --to ({to_n}) <= --workers ({workers})")
@@ -450,7 +461,7 @@ def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: in
                                        state_dir=state_dir / f"{mode}-{i}", emulate=emulate, profile=profile,
                                        concurrency=concurrency or to_n, max_tokens=max_tokens, timeout_s=timeout_s,
                                        burst=burst, overload_rps=overload_rps,
-                                       overload_lead_s=overload_lead_s))
+                                       overload_lead_s=overload_lead_s, prompt_words=prompt_words))
             except (ClusterError, TimeoutError, httpx.HTTPError) as e:
                 # One broken trial must not lose the others (a full run takes a quarter of an hour).
                 _log(f"bench scale: {mode}, trial {i + 1} failed: {e!r}; logs in {state_dir / f'{mode}-{i}'}")
@@ -490,7 +501,7 @@ def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: in
     if overload_rps:
         comparison |= overload_comparison(by)
     return {"workers": workers, "from": from_n, "to": to_n, "repeat": repeat, "kv_cache_gb": KV_CACHE_GB,
-            "burst": burst, "overload_rps": overload_rps, "overload_lead_s": overload_lead_s,
+            "burst": burst, "overload_rps": overload_rps, "overload_lead_s": overload_lead_s, "prompt_words": prompt_words,
             "request_streams": concurrency or to_n, "max_tokens": max_tokens,
             "profile": None if profile is None else asdict(profile),
             "results": results, "comparison": comparison}
