@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from libs.planning.overload import first_rise_s, mean_rate, window_latencies
 from libs.planning.pool import plan_pool_fills
 from libs.planning.scaleout import build_plan, plan_bound_s
 from libs.protocol import messages as m
@@ -165,6 +166,119 @@ class _Burst:
                                    for at, f, last, n, inst in sorted(self.requests)]}
 
 
+class _Overload:
+    """Open-loop requests at `rps` per second (one thread each, sent on schedule whatever the
+    answers), started `lead_s` before the decision so the source has a queue while targets load."""
+
+    def __init__(self, url: str, api_key: str, model: str, rps: float, max_tokens: int, prompt_words: int = 0):
+        self.url, self.api_key, self.model, self.rps, self.max_tokens = url, api_key, model, rps, max_tokens
+        # A longer prompt makes prefill (what a live pair offloads) a larger share of the work.
+        self.padding = " ".join(["token"] * prompt_words)
+        # Each request: (sent, first token or None, last token or None, tokens, instance)
+        self.requests: list[tuple[float, float | None, float | None, int, str]] = []
+        self.stamps: list[float] = []
+        self.instance_stamps: list[tuple[float, str]] = []
+        self.failed = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._sender = threading.Thread(target=self._send, daemon=True)
+        self._client = httpx.Client(timeout=300, headers={"Authorization": f"Bearer {api_key}"},
+                                    limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
+
+    def _send(self) -> None:
+        start, i = time.time(), 0
+        while not self._stop.is_set():
+            t = threading.Thread(target=self._one, daemon=True)
+            t.start()
+            self._threads.append(t)
+            i += 1
+            self._stop.wait(max(0.0, start + i / self.rps - time.time()))
+
+    def _one(self) -> None:
+        body = {"model": self.model, "prompt": f"overload {uuid.uuid4().hex[:8]} {self.padding}".rstrip(),
+                "max_tokens": self.max_tokens,
+                "stream": True}
+        sent, first, last, tokens, instance = time.time(), None, None, 0, ""
+        try:
+            with self._client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise httpx.HTTPStatusError(f"{r.status_code}", request=r.request, response=r)
+                instance = r.headers.get("x-layercast-instance", "")
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        now = time.time()
+                        last, tokens = now, tokens + 1
+                        first = first or now
+                        with self._lock:
+                            self.stamps.append(now)
+                            self.instance_stamps.append((now, instance))
+        except httpx.HTTPError:
+            with self._lock:
+                self.failed += 1
+        with self._lock:
+            self.requests.append((sent, first, last, tokens, instance))
+
+    def start(self) -> None:
+        self._sender.start()
+
+    def stop_sending(self) -> None:
+        self._stop.set()
+        self._sender.join(10)
+
+    def stop(self) -> None:
+        self.stop_sending()
+        [t.join(300) for t in list(self._threads)]
+        self._client.close()
+
+    timeline = _TokenCounter.timeline
+
+    def instance_timeline(self, t0: float, t1: float, instances: set[str]) -> list[float]:
+        n = max(1, int((t1 - t0) / TIMELINE_STEP_S + 0.999))
+        counts = [0] * n
+        with self._lock:
+            for s, inst in self.instance_stamps:
+                i = int((s - t0) / TIMELINE_STEP_S)
+                if inst in instances and 0 <= i < n:
+                    counts[i] += 1
+        return [c / TIMELINE_STEP_S for c in counts]
+
+
+# "First rise": a bucket above the pre-decision level by this fraction (100 ms buckets of a few
+# requests are noisy: 25 % is about one more request's tokens at 16 tokens a request).
+RISE_MARGIN = 0.25
+
+
+def overload_report(counter: _Overload, *, decided: float, all_loaded: float | None, lead_s: float, end: float,
+                    first_block_s: float | None, layer_load_s: float | None, warm: set[str],
+                    timings: dict[str, float]) -> dict:
+    """The overload stream's measures (times in seconds from the decision)."""
+    t0 = decided - lead_s
+    total = counter.timeline(t0, end)
+    source = counter.instance_timeline(t0, end, warm)
+    # The pre-scale-out level: the last second before the decision (the queue is built by then).
+    baseline = mean_rate(total, TIMELINE_STEP_S, lead_s - 1.0, lead_s)
+    rise = None
+    if first_block_s is not None and baseline is not None:
+        at = first_rise_s(total, TIMELINE_STEP_S, lead_s + first_block_s, baseline, RISE_MARGIN)
+        rise = None if at is None else at - lead_s
+    window_end = decided + all_loaded if all_loaded is not None else end
+    return {"overload_window_s": [0.0, all_loaded],
+            "overload_latency": window_latencies([(s, f, last) for s, f, last, *_ in counter.requests],
+                                                 decided, window_end),
+            "overload_requests": len(counter.requests),
+            "overload_baseline_tokens_per_s": baseline,
+            "first_block_s": first_block_s, "layer_load_s": layer_load_s,
+            "first_rise_s": rise,
+            "first_rise_layer_loads": (None if rise is None or first_block_s is None or not layer_load_s
+                                       else (rise - first_block_s) / layer_load_s),
+            "pair_events_s": {k: round(v - decided, 4) for k, v in sorted(timings.items(), key=lambda kv: kv[1])
+                              if k.startswith(("paired:", "unpaired:"))},
+            # from lead_s before the decision, every 100 ms
+            "overload_timeline_origin_s": -lead_s,
+            "overload_tokens_per_s_timeline": total, "source_tokens_per_s_timeline": source}
+
+
 def plot_timelines(path: Path, lines: dict[str, list[float]], step_s: float, title: str) -> None:
     """Tokens/s after the decision, one line per mode (matplotlib, as `bench trace --plot`)."""
     import matplotlib
@@ -213,13 +327,17 @@ def bound_s(mode: str, op: dict, model_bytes: int, block_bytes: list[int], profi
 
 def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Path, state_dir: Path,
              emulate: bool, profile, concurrency: int, max_tokens: int, timeout_s: float,
-             kv_cache_gb: float = KV_CACHE_GB, burst: int = 0) -> dict:
+             kv_cache_gb: float = KV_CACHE_GB, burst: int = 0, overload_rps: float = 0.0,
+             overload_lead_s: float = 3.0, prompt_words: int = 0) -> dict:
     with mode_cluster(mode, workers=workers, model_path=model_path, state_dir=state_dir, emulate=emulate,
                       profile=profile, min_instances=from_n, max_instances=workers, keep_alive_s=3600,
                       scale_down_delay_s=3600, ready_timeout_s=timeout_s, kv_cache_gb=kv_cache_gb,
                       # The benchmark takes the decision: every mode the same policy, held back by the
                       # delay above (blitzscale's default, threshold, would scale in after 0.5 s idle).
-                      policy="concurrency") as h:
+                      policy="concurrency",
+                      # Under the overload stream the load-monitor would scale out on its own during the
+                      # lead (it did, 0.7 s in): out of its reach, so the benchmark's decision is the one.
+                      target_concurrency=100_000 if overload_rps else None) as h:
         info = h.describe()
         block_bytes = [b["nbytes"] for b in sorted(info["blocks"], key=lambda b: b["block_id"])]
         model_bytes = sum(block_bytes)
@@ -234,11 +352,22 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
         h.recorder.wait_for(lambda _r: settled(), timeout_s, "the deployment to settle")
         time.sleep(1.0)
         warm = {i["instance_id"] for i in h.describe()["instances"] if i["state"] == "ready"}
-        counter = (_Burst(h.gateway_url, h.api_key, h.model, burst, max_tokens) if burst else
-                   _TokenCounter(h.gateway_url, h.api_key, h.model, concurrency, max_tokens))
+        if overload_rps:
+            # One request through first: the first mode's instance served no token for ~4 s of the
+            # stream in two runs (a cold first batch), which left it no pre-decision level to rise from.
+            with httpx.Client(timeout=300, headers={"Authorization": f"Bearer {h.api_key}"}) as c:
+                c.post(f"{h.gateway_url}/v1/completions", json={"model": h.model, "prompt": "warm-up",
+                                                                "max_tokens": max_tokens}).raise_for_status()
+            counter = _Overload(h.gateway_url, h.api_key, h.model, overload_rps, max_tokens, prompt_words)
+            counter.start()
+            time.sleep(overload_lead_s)  # the source's queue builds before the decision
+        else:
+            counter = (_Burst(h.gateway_url, h.api_key, h.model, burst, max_tokens) if burst else
+                       _TokenCounter(h.gateway_url, h.api_key, h.model, concurrency, max_tokens))
         decided = asyncio.run(_decide(h.nats_url, h.namespace, h.model, to_n))
         _log(f"bench scale: {mode}: decided at {decided:.3f} (unix time)")
-        counter.start()
+        if not overload_rps:
+            counter.start()
 
         def finished():
             # From the scale-op events the recorder hears, not the admin API: polling that every
@@ -252,7 +381,7 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
         end = time.time()
         time.sleep(1.0)  # the tokens/s of the scaled-out cluster, briefly
         counter.stop()
-        if burst:  # the timeline runs until the burst's last token, however long after the scale-out
+        if burst or overload_rps:  # the timeline runs until the burst's last token, however long after the scale-out
             end = max([end, *counter.stamps])
         # Transfer reports may land after the last instance loaded: read the record again.
         d = h.recorder.wait_for(lambda _r: _describe(h), 60, "the admin API")
@@ -264,6 +393,14 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
         bound = bound_s(mode, op, model_bytes, block_bytes, h.emulation.profile if h.emulation else None)
         all_ready = loaded[-1] if len(loaded) == to_n - from_n else None
         burst_times = counter.first_tokens(decided, warm) if burst else {}
+        if overload_rps:
+            link = h.emulation.profile.link_mbit if h.emulation else None
+            burst_times = overload_report(
+                counter, decided=decided, all_loaded=all_ready, lead_s=overload_lead_s, end=end,
+                first_block_s=None if first is None else first - decided,
+                # one block's load time on the emulated link
+                layer_load_s=(sum(block_bytes) / len(block_bytes)) / (link * 1e6 / 8) if link else None,
+                warm=warm, timings=t)
         return {"mode": mode, "plan": op["plan"], "first_byte_s": None if first is None else first - decided,
                 **burst_times,
                 "instance_ready_s": loaded, "all_ready_s": all_ready, "bound_s": bound,
@@ -275,9 +412,24 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
                 "model_bytes": model_bytes}
 
 
+def overload_comparison(by: dict[str, dict]) -> dict:
+    """p90 ratios of the requests sent during the scale-out: blitzscale / blitzscale-nopairs and
+    each mode / ideal (the issue's criterion: blitzscale / blitzscale-nopairs <= 0.7)."""
+    def p90(mode: str, key: str) -> float | None:
+        return ((by.get(mode) or {}).get("overload_latency") or {}).get(key)
+    out = {}
+    for key in ("first_token_p90_s", "last_token_p90_s"):
+        pairs = [("blitzscale", "blitzscale-nopairs"), *((mode, "ideal") for mode in by if mode != "ideal")]
+        for mine, other in pairs:
+            a, b = p90(mine, key), p90(other, key)
+            if a is not None and b:
+                out[f"{mine}_over_{other}_{key}"] = a / b
+    return out
+
+
 BURST_KEYS = ("burst_first_token_s", "new_capacity_first_token_s")
 TRIAL_KEYS = ("first_byte_s", "all_ready_s", *BURST_KEYS, "bound_s", "ratio_to_bound", "timings_s", "burst_requests",
-              "error")
+              "overload_latency", "first_rise_s", "first_rise_layer_loads", "pair_events_s", "error")
 
 
 def failed_trial(mode: str, error: str) -> dict:
@@ -294,7 +446,8 @@ def _median(values: list[float | None]) -> float | None:
 
 def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: int, model_path: Path, state_dir: Path,
                         emulate: bool, profile=None, repeat: int = 3, concurrency: int | None = None,
-                        max_tokens: int = 16, timeout_s: float = 600.0, burst: int = 0) -> dict:
+                        max_tokens: int = 16, timeout_s: float = 600.0, burst: int = 0,
+                        overload_rps: float = 0.0, overload_lead_s: float = 3.0, prompt_words: int = 0) -> dict:
     """Every mode `repeat` times; per mode the median trial (by all-ready time) and the medians."""
     if not 0 < from_n < to_n <= workers:
         raise ValueError(f"need 0 < --from ({from_n}) < --to ({to_n}) <= --workers ({workers})")
@@ -307,7 +460,8 @@ def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: in
                 trials.append(run_once(mode, workers=workers, from_n=from_n, to_n=to_n, model_path=model_path,
                                        state_dir=state_dir / f"{mode}-{i}", emulate=emulate, profile=profile,
                                        concurrency=concurrency or to_n, max_tokens=max_tokens, timeout_s=timeout_s,
-                                       burst=burst))
+                                       burst=burst, overload_rps=overload_rps,
+                                       overload_lead_s=overload_lead_s, prompt_words=prompt_words))
             except (ClusterError, TimeoutError, httpx.HTTPError) as e:
                 # One broken trial must not lose the others (a full run takes a quarter of an hour).
                 _log(f"bench scale: {mode}, trial {i + 1} failed: {e!r}; logs in {state_dir / f'{mode}-{i}'}")
@@ -344,8 +498,10 @@ def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: in
             if mine.get("burst_first_token_s") and by.get(other, {}).get("burst_first_token_s"):
                 comparison[f"layercast_over_{other}_burst_first_token"] = (
                     mine["burst_first_token_s"] / by[other]["burst_first_token_s"])
+    if overload_rps:
+        comparison |= overload_comparison(by)
     return {"workers": workers, "from": from_n, "to": to_n, "repeat": repeat, "kv_cache_gb": KV_CACHE_GB,
-            "burst": burst,
+            "burst": burst, "overload_rps": overload_rps, "overload_lead_s": overload_lead_s, "prompt_words": prompt_words,
             "request_streams": concurrency or to_n, "max_tokens": max_tokens,
             "profile": None if profile is None else asdict(profile),
             "results": results, "comparison": comparison}

@@ -504,6 +504,15 @@ def scale(
     burst: int = typer.Option(0, "--burst", min=0,
                               help="FaaScale Fig. 9: N requests at once with the decision, instead of request "
                                    "streams; reports the burst's and new capacity's first-token times."),
+    overload_rps: float = typer.Option(0.0, "--overload-rps", min=0,
+                                       help="Instead of streams or --burst: requests at this fixed rate (above one "
+                                            "instance's capacity) from --overload-lead-s before the decision until "
+                                            "every target loaded; reports the window's latency p50/p90, the first "
+                                            "throughput rise and the pair events."),
+    overload_lead_s: float = typer.Option(3.0, "--overload-lead-s", min=1.0,
+                                          help="Seconds the overload stream runs before the decision."),
+    prompt_words: int = typer.Option(0, "--prompt-words", min=0,
+                                     help="With --overload-rps: words added to each prompt (prefill-heavy requests)."),
     plot: Path = typer.Option(None, "--plot", help="Write a PNG: the tokens/s timelines, one line per mode."),
     emulate: bool = typer.Option(True, "--emulate/--no-emulate", help="Root: the emulated cluster profile."),
     link_mbit: float = typer.Option(None, "--link-mbit", help="With --emulate; 0: not capped."),
@@ -533,7 +542,9 @@ def scale(
         result = run_scale_benchmark(modes=parse_modes(modes), workers=workers, from_n=from_n, to_n=to_n,
                                      model_path=path, state_dir=state_dir.resolve() / "bench-scale", emulate=emulate,
                                      profile=profile, repeat=repeat, concurrency=concurrency or None,
-                                     max_tokens=max_tokens, timeout_s=timeout_s, burst=burst)
+                                     max_tokens=max_tokens, timeout_s=timeout_s, burst=burst,
+                                     overload_rps=overload_rps, overload_lead_s=overload_lead_s,
+                                     prompt_words=prompt_words)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     except (ClusterError, TimeoutError, RuntimeError) as e:

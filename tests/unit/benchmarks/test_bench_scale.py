@@ -67,3 +67,16 @@ def test_the_timeline_plot_is_written(tmp_path):
     out = tmp_path / "timeline.png"
     bench_scale.plot_timelines(out, {"layercast": [0, 5, 10], "binomial": [0, 0, 10]}, step_s=0.1, title="t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_overload_comparisons_are_p90_ratios_pairs_over_nopairs_and_each_over_ideal():
+    def mode(name: str, first_p90: float, last_p90: float) -> dict:
+        return {"mode": name, "overload_latency": {"first_token_p90_s": first_p90, "last_token_p90_s": last_p90}}
+    by = {r["mode"]: r for r in (mode("blitzscale", 2.0, 4.0), mode("blitzscale-nopairs", 4.0, 5.0),
+                                 mode("ideal", 1.0, 2.0))}
+    c = bench_scale.overload_comparison(by)
+    assert c["blitzscale_over_blitzscale-nopairs_first_token_p90_s"] == 0.5
+    assert c["blitzscale_over_blitzscale-nopairs_last_token_p90_s"] == 0.8
+    assert c["blitzscale_over_ideal_first_token_p90_s"] == 2.0
+    assert c["blitzscale-nopairs_over_ideal_last_token_p90_s"] == 2.5
+    assert "ideal_over_ideal_first_token_p90_s" not in c
