@@ -198,7 +198,9 @@ def test_a_burst_of_one_model_does_not_make_the_other_late_while_shadow_validati
     step = bursty_step
     # The validated case runs twice at most: a lone noisy run of the shared 2-core machine once made
     # a steady token 0.136 s late (bound 0.124 s); without validation every run is about a step late.
-    for trial in range(2 if validation else 1):
+    # The unvalidated case too: on a quiet machine one run's burst once left the steady model only
+    # 0.116 s late (step 0.315 s); the refusals (none without validation) are asserted every run.
+    for trial in range(2):
         with mesh_cluster(tmp_path_factory, postgres_server_url, nats_url, checkpoints, slos,
                           validation) as (state, client):
             ttft, tpot = slos["steady"]
@@ -218,7 +220,7 @@ def test_a_burst_of_one_model_does_not_make_the_other_late_while_shadow_validati
         assert len(lateness) >= STEADY_TOKENS
         assert len(ends) == BURST and all(e in ("length", "stop") for e in ends)  # every bursty request served
         worst = max(lateness)
-        if not validation or worst <= step / 3:
+        if worst <= step / 3 if validation else worst > step / 2:
             break
     if validation:
         # Every steady token by its deadline, up to a third of a bursty step: the client's own
