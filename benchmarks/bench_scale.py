@@ -17,7 +17,8 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
@@ -84,6 +85,10 @@ class _TokenCounter:
                         self.failed += 1
                     time.sleep(0.2)
 
+    def _token(self, now: float, instance: str) -> None:
+        with self._lock:
+            self.stamps.append(now)
+
     def start(self) -> None:
         [t.start() for t in self._threads]
 
@@ -100,6 +105,32 @@ class _TokenCounter:
                 if 0 <= i < n:
                     counts[i] += 1
         return [c / TIMELINE_STEP_S for c in counts]
+
+
+@dataclass
+class _Streamed:
+    """One streaming completion as far as it got (kept when it fails midway)."""
+
+    instance: str = ""  # the instance the gateway chose (x-layercast-instance)
+    routed: float | None = None  # when its response headers came
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+
+
+def _stream_completion(client: httpx.Client, url: str, body: dict, got: _Streamed,
+                       on_token: Callable[[float, str], None]) -> None:
+    """POST one streaming completion into `got`, on_token(now, instance) per token; HTTPError on failure."""
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise httpx.HTTPStatusError(f"{r.status_code}", request=r.request, response=r)
+        got.instance, got.routed = r.headers.get("x-layercast-instance", ""), time.time()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                now = time.time()
+                got.last, got.tokens = now, got.tokens + 1
+                got.first = got.first or now
+                on_token(now, got.instance)
 
 
 class _Burst:
@@ -123,25 +154,19 @@ class _Burst:
     def _one(self) -> None:
         body = {"model": self.model, "prompt": f"burst {uuid.uuid4().hex[:8]}", "max_tokens": self.max_tokens,
                 "stream": True}
-        routed, first, last, tokens, instance = None, None, None, 0, ""
+        got = _Streamed()
         try:
-            with self._client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    raise httpx.HTTPStatusError(f"{r.status_code}", request=r.request, response=r)
-                instance, routed = r.headers.get("x-layercast-instance", ""), time.time()
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        now = time.time()
-                        last, tokens = now, tokens + 1
-                        first = first or now
-                        with self._lock:
-                            self.stamps.append(now)
+            _stream_completion(self._client, self.url, body, got, self._token)
         except httpx.HTTPError:
             with self._lock:
                 self.failed += 1
-        if first is not None:
+        if got.first is not None:
             with self._lock:
-                self.requests.append((routed, first, last, tokens, instance))
+                self.requests.append((got.routed, got.first, got.last, got.tokens, got.instance))
+
+    def _token(self, now: float, instance: str) -> None:
+        with self._lock:
+            self.stamps.append(now)
 
     def start(self) -> None:
         [t.start() for t in self._threads]
@@ -199,25 +224,19 @@ class _Overload:
         body = {"model": self.model, "prompt": f"overload {uuid.uuid4().hex[:8]} {self.padding}".rstrip(),
                 "max_tokens": self.max_tokens,
                 "stream": True}
-        sent, first, last, tokens, instance = time.time(), None, None, 0, ""
+        sent, got = time.time(), _Streamed()
         try:
-            with self._client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    raise httpx.HTTPStatusError(f"{r.status_code}", request=r.request, response=r)
-                instance = r.headers.get("x-layercast-instance", "")
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        now = time.time()
-                        last, tokens = now, tokens + 1
-                        first = first or now
-                        with self._lock:
-                            self.stamps.append(now)
-                            self.instance_stamps.append((now, instance))
+            _stream_completion(self._client, self.url, body, got, self._token)
         except httpx.HTTPError:
             with self._lock:
                 self.failed += 1
         with self._lock:
-            self.requests.append((sent, first, last, tokens, instance))
+            self.requests.append((sent, got.first, got.last, got.tokens, got.instance))
+
+    def _token(self, now: float, instance: str) -> None:
+        with self._lock:
+            self.stamps.append(now)
+            self.instance_stamps.append((now, instance))
 
     def start(self) -> None:
         self._sender.start()
