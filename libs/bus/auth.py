@@ -241,3 +241,13 @@ def client_auth(url: str, env: Mapping[str, str] | None = None) -> ClientAuth:
     if user is None:
         return ClientAuth(url_user(url), None, tls_context(env))
     return ClientAuth(user, password, tls_context(env))
+
+
+def deployment_config() -> str:
+    """The authorization block of the compose and k8s nats.conf (namespace `layercast`, the
+    service users, each password from the NATS_PASSWORD_<USER> environment variable)."""
+    return authorization_block({u: PASSWORD_VARIABLES[u] for u in SERVICE_USERS}, "layercast", from_env=True)
+
+
+if __name__ == "__main__":  # python -m libs.bus.auth > block: what deploy/nats/nats.conf and k8s/base/nats.conf hold
+    print(deployment_config(), end="")
