@@ -19,8 +19,9 @@ What the rights guarantee, among others:
 `operator` has every right: `layercast up` hands it to the tools that watch a cluster
 (benchmarks, tests, `layercast` commands that talk NATS); deployments need not create it.
 
-Clients: `client_options()` reads LAYERCAST_NATS_USER / LAYERCAST_NATS_PASSWORD (or the
-credentials inside NATS_URL) and LAYERCAST_NATS_TLS_CA / _CERT / _KEY.
+Clients: `client_auth()` reads LAYERCAST_NATS_USER / LAYERCAST_NATS_PASSWORD (or the
+credentials inside NATS_URL) and LAYERCAST_NATS_TLS_CA / _CERT / _KEY. `layercast up` serves
+TLS itself when LAYERCAST_NATS_SERVER_CERT and LAYERCAST_NATS_SERVER_KEY name its files.
 """
 
 from __future__ import annotations
@@ -174,13 +175,17 @@ def authorization_block(passwords: Mapping[str, str], prefix: str = subjects.PRE
 
 
 def nats_config(passwords: Mapping[str, str], prefix: str = subjects.PREFIX, *, listen: str | None = None,
-                store_dir: str | None = None, from_env: bool = False, header: str = "") -> str:
-    """A whole nats.conf: where it listens, JetStream, and the users."""
+                store_dir: str | None = None, from_env: bool = False, header: str = "",
+                tls: tuple[str, str] | None = None) -> str:
+    """A whole nats.conf: where it listens, JetStream, TLS (`tls`: the server's certificate and
+    key files; clients must then use TLS), and the users."""
     out = [header.rstrip() + "\n"] if header else []
     if listen:
         out.append(f"listen: {_quote(listen)}\n")
     if store_dir is not None:
         out.append(f"jetstream {{\n  store_dir: {_quote(store_dir)}\n}}\n")
+    if tls is not None:
+        out.append(f"tls {{\n  cert_file: {_quote(tls[0])}\n  key_file: {_quote(tls[1])}\n}}\n")
     out.append(authorization_block(passwords, prefix, from_env=from_env))
     return "".join(out)
 

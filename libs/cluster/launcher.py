@@ -90,13 +90,15 @@ def wait_port(host: str, port: int, timeout_s: float) -> None:
 
 
 def start_nats(state_dir: Path, port: int | None = None, host: str = "127.0.0.1",
-               passwords: dict[str, str] | None = None, namespace: str | None = None) -> tuple[subprocess.Popen, str]:
+               passwords: dict[str, str] | None = None, namespace: str | None = None,
+               tls: tuple[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """A nats-server with JetStream; `host` is the address it listens on (an emulated cluster's bridge).
 
     With `passwords` (user -> password, libs.bus.auth.USERS) it requires them: each service's
     user gets only its own subjects under `namespace` (libs/bus/auth.py); nats.conf is written
     into the state directory, readable by its owner only. Without, anyone may connect (the
-    tests' stand-in for a machine's NATS)."""
+    tests' stand-in for a machine's NATS). `tls` (certificate and key files, with `passwords`):
+    clients must use TLS."""
     port = port or free_port()
     store = state_dir / "nats"
     store.mkdir(parents=True, exist_ok=True)
@@ -108,7 +110,7 @@ def start_nats(state_dir: Path, port: int | None = None, host: str = "127.0.0.1"
         conf = state_dir / "nats.conf"
         conf.touch(mode=0o600)
         conf.write_text(nats_config(passwords, namespace or "layercast", listen=f"{host}:{port}",
-                                    store_dir=str(store),
+                                    store_dir=str(store), tls=tls,
                                     header="# Written by layercast up: one user per service (libs/bus/auth.py)."))
         argv += ["-c", str(conf)]
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -243,8 +245,13 @@ def start_cluster(spec: ClusterSpec, timeout_s: float = 120.0, emulation: "Emula
     passwords = new_passwords() if nats_url is None else None
     operator_url = nats_url
     if nats_url is None:
+        env = {**os.environ, **spec.extra_env}
+        cert, key = env.get("LAYERCAST_NATS_SERVER_CERT"), env.get("LAYERCAST_NATS_SERVER_KEY")
+        if bool(cert) != bool(key):
+            raise ClusterError("LAYERCAST_NATS_SERVER_CERT and LAYERCAST_NATS_SERVER_KEY go together")
         proc, nats_url = start_nats(state_dir, host=emulation.host_ip if emulation else "127.0.0.1",
-                                    passwords=passwords, namespace=spec.namespace)
+                                    passwords=passwords, namespace=spec.namespace,
+                                    tls=(cert, key) if cert else None)
         started.append(proc)
         procs.append(ProcessInfo("nats", proc.pid, None, str(state_dir / "logs" / "nats.log")))
         # Tools that watch the cluster (benchmarks, tests) connect as the operator, through the state file.

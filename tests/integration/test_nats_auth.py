@@ -120,3 +120,46 @@ def test_a_service_with_wrong_credentials_stops_with_a_clear_error(secured, monk
     assert r.returncode == 2, out
     assert "refused user 'load-monitor'" in out and "LAYERCAST_NATS_PASSWORD" in out, out
     assert "not-the-password" not in out
+
+
+def make_certificates(d) -> tuple[str, str, str]:
+    """A CA and a server certificate for 127.0.0.1 it signed (openssl): (ca, cert, key) paths."""
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d, timeout=60)
+
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1")  # quicker to make than RSA
+    openssl("req", "-x509", *ec, "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+            "-subj", "/CN=layercast-test-ca")
+    openssl("req", *ec, "-nodes", "-keyout", "server.key", "-out", "server.csr",
+            "-subj", "/CN=127.0.0.1")
+    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "server.pem", "-days", "1", "-extfile", "san.cnf")
+    return str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key")
+
+
+def test_tls_where_configured_a_service_connects_with_the_ca_and_a_plain_client_is_refused(tmp_path, monkeypatch):
+    ca, cert, key = make_certificates(tmp_path)
+    (tmp_path / "logs").mkdir()
+    passwords = auth.new_passwords()
+    proc, url = start_nats(tmp_path, passwords=passwords, namespace=subjects.PREFIX, tls=(cert, key))
+    try:
+        monkeypatch.setenv("LAYERCAST_NATS_USER", "gateway")
+        monkeypatch.setenv("LAYERCAST_NATS_PASSWORD", passwords["gateway"])
+
+        async def service_connects() -> bool:
+            broker = make_broker(url)
+            await start_broker(broker)
+            tls = broker._connection._transport._io_writer.get_extra_info("ssl_object") is not None  # noqa: SLF001
+            await broker.stop()
+            return tls
+
+        monkeypatch.setenv("LAYERCAST_NATS_TLS_CA", ca)
+        assert asyncio.run(service_connects())
+        monkeypatch.delenv("LAYERCAST_NATS_TLS_CA")
+        # Without the CA the server's certificate fails verification: no connection comes up (the
+        # client keeps retrying, logging CERTIFICATE_VERIFY_FAILED), and none in plain text.
+        with pytest.raises(TimeoutError):
+            asyncio.run(asyncio.wait_for(service_connects(), 2))
+    finally:
+        stop_processes([ProcessInfo("nats", proc.pid, None, "")])
