@@ -109,6 +109,7 @@ def start_nats(state_dir: Path, port: int | None = None, host: str = "127.0.0.1"
     else:
         conf = state_dir / "nats.conf"
         conf.touch(mode=0o600)
+        conf.chmod(0o600)  # it holds every password
         conf.write_text(nats_config(passwords, namespace or "layercast", listen=f"{host}:{port}",
                                     store_dir=str(store), tls=tls,
                                     header="# Written by layercast up: one user per service (libs/bus/auth.py)."))
