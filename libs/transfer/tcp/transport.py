@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import socket
 import threading
@@ -29,7 +30,7 @@ from collections.abc import Callable
 
 from libs.transfer.tcp import frames as f
 from libs.checkpoint.pacing import make_pacer
-from libs.transfer.base import BlockSlot, Transport, TransferError
+from libs.transfer.base import ABORT_CHANNEL, BlockSlot, Transport, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +281,7 @@ class TcpTransport(Transport):
     def _serve(self, sock: socket.socket) -> None:
         src = "<unknown>"
         admitted = False
+        conn_class = None
         try:
             remote_ip = _normal_ip(sock.getpeername()[0])
             fixed = _recv_exact(sock, f.HELLO_FIXED)
@@ -304,7 +306,7 @@ class TcpTransport(Transport):
                 if kind == f.FrameKind.DATA:
                     self._receive_data(sock, src, accept)
                 else:
-                    self._receive_message(sock, src)
+                    self._receive_message(sock, src, accept)
         except (OSError, ConnectionError, f.FrameError, TransferError, UnicodeDecodeError) as e:
             if not self._closed:
                 log.warning("%s: data-plane connection from %s ended: %s", self.node_id, src, e)
@@ -312,9 +314,9 @@ class TcpTransport(Transport):
             with self._pool_lock:
                 self._accepted.discard(sock)
             sock.close()
-            if not self._closed and admitted:
-                # Whatever this peer still owed us will not come on this connection. (A connection
-                # refused above fails nothing: whoever claims a name must not break its transfers.)
+            if not self._closed and admitted and conn_class == f.ConnClass.BULK:
+                # Whatever this peer still owed us will not come on this connection. (Only an admitted
+                # bulk connection: whoever merely claims a name must not break that peer's transfers.)
                 self.fail_from(src, TransferError(f"connection from {src} closed"))
 
     def _receive_data(self, sock: socket.socket, src: str, accept=None) -> None:
@@ -348,12 +350,26 @@ class TcpTransport(Transport):
             raise
         slot.advance(length)
 
-    def _receive_message(self, sock: socket.socket, src: str) -> None:
+    def _receive_message(self, sock: socket.socket, src: str, accept=None) -> None:
         ch_len, length = f.decode_message_fixed(_recv_header(sock, f.MESSAGE_FIXED))
         channel = _recv_header(sock, ch_len).decode()
         payload = bytearray(length)
         _recv_into(sock, memoryview(payload))
+        if channel == ABORT_CHANNEL and accept is not None and not self._abort_from_plan(src, bytes(payload), accept):
+            log.warning("%s: dropped an abort claiming to be from %s, sent from elsewhere than its address in "
+                        "the plan", self.node_id, src)
+            return
         self.dispatch(src, channel, bytes(payload))
+
+    def _abort_from_plan(self, src: str, payload: bytes, accept) -> bool:
+        """Whether an abort comes from where the op's plan says `src` is (it fails that op's blocks)."""
+        try:
+            op_id = str(json.loads(payload)["op_id"])
+        except (ValueError, KeyError, TypeError):
+            return True  # malformed: the handler drops it
+        with self._expected_changed:
+            address = self._source_addresses.get((op_id, src))
+        return accept(address)
 
     @staticmethod
     def _drain(sock: socket.socket, length: int) -> None:

@@ -2,12 +2,15 @@
 gives them (a worker learns both from its TransferPart: `receives` names each block's source,
 `peers` its address; libs/transfer/executor.py registers them with the transport)."""
 
+import json
+import logging
 import os
 import socket
 import threading
+import time
 import zlib
 
-from libs.transfer.base import BlockSlot
+from libs.transfer.base import ABORT_CHANNEL, BlockSlot
 from libs.transfer.executor import Hop, PartRun
 from libs.transfer.tcp import frames as f
 from libs.transfer.tcp.transport import TcpTransport, split_address
@@ -42,7 +45,15 @@ def closed_by_receiver(s: socket.socket, timeout_s: float = 30.0) -> bool:
         s.close()
 
 
-def test_bytes_from_a_peer_the_plan_does_not_name_never_reach_a_block():
+def until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_bytes_from_a_peer_the_plan_does_not_name_never_reach_a_block(caplog):
+    caplog.set_level(logging.WARNING, logger="libs.transfer.tcp.transport")
     data = os.urandom(NBYTES)
     receiver = TcpTransport("recv", unknown_op_wait_s=0.5)
     source = TcpTransport("src-a")  # listens on 127.0.0.1: its address in the plan
@@ -63,6 +74,17 @@ def test_bytes_from_a_peer_the_plan_does_not_name_never_reach_a_block():
         assert receiver.refused_connections == 2
         assert slot.filled == 0 and slot.first_byte_at is None
         assert slot.error is None, "a refused impostor must not fail the real source's transfer"
+        # Nor can it abort the op or break it by closing a message connection in src-a's name.
+        abort = json.dumps({"op_id": OP, "reason": "forged"}).encode()
+        m = socket.socket()
+        m.bind(("127.0.0.2", 0))
+        m.connect(split_address(receiver.address))
+        m.sendall(f.encode_hello(f.ConnClass.MESSAGE, "src-a") + f.encode_message(ABORT_CHANNEL, len(abort)) + abort)
+        m.close()
+        until(lambda: not receiver._accepted and (slot.error is not None or any(
+            "dropped an abort claiming to be from src-a" in r.getMessage() for r in caplog.records)))
+        # (the abort was handled, one way or the other, and the connection's end too)
+        assert slot.error is None, "a forged abort or a message connection's end failed the real source's transfer"
 
         # The named source, from its address, delivers the block.
         sending = PartRun(source, OP, slots={0: BlockSlot(0, bytearray(data), complete=True)},
