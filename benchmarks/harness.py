@@ -34,6 +34,7 @@ import httpx
 
 from benchmarks.trace_replay import ENDED_STATES, instance_intervals
 from libs.admin import admin_request
+from libs.bus.auth import redact
 from libs.protocol import subjects
 from libs.cluster.launcher import ClusterError, ClusterSpec, ClusterState, free_port, start_cluster, stop_processes
 
@@ -126,7 +127,7 @@ class EventRecorder:
         self._thread.start()
         if not ready.wait(timeout_s) or failure:
             self.close()
-            raise ClusterError(f"event recorder could not subscribe on {self.nats_url}: "
+            raise ClusterError(f"event recorder could not subscribe on {redact(self.nats_url)}: "
                                f"{failure[0] if failure else 'timed out'}")
         return self
 

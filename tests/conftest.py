@@ -96,9 +96,10 @@ TEST_API_KEY, TEST_ADMIN_KEY = "sk-test-api", "sk-test-admin"
 
 
 @contextmanager
-def one_worker_cluster(tmp_path_factory, postgres_server_url: str, checkpoint: Path, nats_url: str, namespace: str,
-                       model: str = "tiny"):
-    """`checkpoint` kept warm on one worker (one instance, a long keep-alive), with the test keys."""
+def one_worker_cluster(tmp_path_factory, postgres_server_url: str, checkpoint: Path, nats_url: str | None,
+                       namespace: str, model: str = "tiny"):
+    """`checkpoint` kept warm on one worker (one instance, a long keep-alive), with the test keys.
+    `nats_url` None: the cluster runs its own NATS, with authentication (as `layercast up`)."""
     with running_cluster(postgres_server_url, checkpoint, dict(min_instances=1, max_instances=1, keep_alive_s=600),
                          model=model, state_dir=tmp_path_factory.mktemp("cluster"), api_key=TEST_API_KEY,
                          admin_key=TEST_ADMIN_KEY, workers=1, nats_url=nats_url, namespace=namespace,

@@ -14,10 +14,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from faststream.nats import NatsBroker
+from faststream.nats.security import NatsSecurity, NatsUserPassword
 from faststream.nats.opentelemetry import NatsTelemetryMiddleware
 from opentelemetry import trace
 from pydantic import BaseModel, ValidationError
 
+from libs.bus.auth import NatsAuthError, client_auth, redact
 from libs.protocol.messages import ErrorReply
 
 log = logging.getLogger(__name__)
@@ -55,23 +57,52 @@ def nats_url() -> str:
     return os.environ.get("NATS_URL", DEFAULT_NATS_URL)
 
 
+def _security(url: str) -> tuple[dict[str, Any], str | None]:
+    """The broker's credentials and TLS (libs/bus/auth.py: settings from the environment)."""
+    auth = client_auth(url)
+    kwargs: dict[str, Any] = {"inbox_prefix": auth.inbox_prefix}
+    if auth.password is not None:
+        kwargs["security"] = NatsUserPassword(auth.user, auth.password, ssl_context=auth.tls)
+    elif auth.tls is not None:
+        kwargs["security"] = NatsSecurity(ssl_context=auth.tls)
+    return kwargs, auth.user
+
+
 def make_broker(url: str | None = None, **kwargs: Any) -> NatsBroker:
     """A broker whose publishes carry `traceparent` and whose handlers run in the
-    caller's trace (FastStream's OpenTelemetry middleware does both)."""
-    return NatsBroker(
-        url or nats_url(),
+    caller's trace (FastStream's OpenTelemetry middleware does both). Credentials and TLS
+    come from the environment (`libs.bus.auth.client_auth`)."""
+    url = url or nats_url()
+    security, user = _security(url)
+    broker = NatsBroker(
+        url,
         middlewares=[NatsTelemetryMiddleware(tracer_provider=trace.get_tracer_provider())],
         logger=logging.getLogger("layercast.bus"),
         log_level=logging.DEBUG,
         max_reconnect_attempts=-1,
+        **security,
         **kwargs,
     )
+    broker._layercast_target = (redact(url), user)  # for start_broker's errors
+    return broker
 
 
 async def start_broker(broker: NatsBroker) -> None:
     """Start and wait until the server has our subscriptions: without the flush
-    a request sent right after start-up can find no responder."""
-    await broker.start()
+    a request sent right after start-up can find no responder.
+
+    Raises NatsAuthError when the server refuses our credentials (or wants some we lack)."""
+    try:
+        await broker.start()
+    except Exception as e:
+        text = str(e).lower()
+        if "authorization" in text or "authentication" in text:
+            url, user = getattr(broker, "_layercast_target", ("?", None))
+            who = f"user {user!r}" if user else "no credentials"
+            raise NatsAuthError(
+                f"NATS at {url} refused {who} ({e}): set LAYERCAST_NATS_USER and LAYERCAST_NATS_PASSWORD "
+                f"(or put them in NATS_URL) to this service's NATS credentials") from e
+        raise
     await broker._connection.flush()
 
 

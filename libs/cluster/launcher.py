@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from libs.bus.auth import OPERATOR, nats_config, new_passwords, redact
+
 if TYPE_CHECKING:
     from libs.cluster.emulation import EmulatedCluster
 
@@ -87,15 +89,37 @@ def wait_port(host: str, port: int, timeout_s: float) -> None:
     raise ClusterError(f"{host}:{port} did not open within {timeout_s}s")
 
 
-def start_nats(state_dir: Path, port: int | None = None, host: str = "127.0.0.1") -> tuple[subprocess.Popen, str]:
-    """A nats-server with JetStream; `host` is the address it listens on (an emulated cluster's bridge)."""
+def start_nats(state_dir: Path, port: int | None = None, host: str = "127.0.0.1",
+               passwords: dict[str, str] | None = None, namespace: str | None = None,
+               tls: tuple[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """A nats-server with JetStream; `host` is the address it listens on (an emulated cluster's bridge).
+
+    With `passwords` (user -> password, libs.bus.auth.USERS) it requires them: each service's
+    user gets only its own subjects under `namespace` (libs/bus/auth.py); nats.conf is written
+    into the state directory, readable by its owner only. Without, anyone may connect (the
+    tests' stand-in for a machine's NATS). `tls` (certificate and key files, with `passwords`):
+    clients must use TLS."""
     port = port or free_port()
     store = state_dir / "nats"
     store.mkdir(parents=True, exist_ok=True)
     log = open(state_dir / "logs" / "nats.log", "ab")
-    proc = subprocess.Popen([nats_server_binary(), "-a", host, "-p", str(port), "-js", "-sd", str(store)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    wait_port(host, port, 15)
+    argv = [nats_server_binary()]
+    if passwords is None:
+        argv += ["-a", host, "-p", str(port), "-js", "-sd", str(store)]
+    else:
+        conf = state_dir / "nats.conf"
+        conf.touch(mode=0o600)
+        conf.chmod(0o600)  # it holds every password
+        conf.write_text(nats_config(passwords, namespace or "layercast", listen=f"{host}:{port}",
+                                    store_dir=str(store), tls=tls,
+                                    header="# Written by layercast up: one user per service (libs/bus/auth.py)."))
+        argv += ["-c", str(conf)]
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_port(host, port, 15)
+    except ClusterError:
+        proc.kill()
+        raise ClusterError(f"nats-server did not start; last log lines:\n{_tail(str(state_dir / 'logs' / 'nats.log'))}")
     return proc, f"nats://{host}:{port}"
 
 
@@ -119,7 +143,10 @@ class ClusterState:
     processes: list[ProcessInfo] = field(default_factory=list)
 
     def save(self) -> None:
-        Path(self.state_dir, STATE_FILE).write_text(json.dumps(asdict(self), indent=2))
+        path = Path(self.state_dir, STATE_FILE)
+        path.touch(mode=0o600)  # it holds the operator's NATS password and the admin key
+        path.chmod(0o600)
+        path.write_text(json.dumps(asdict(self), indent=2))
 
     @classmethod
     def load(cls, state_dir: Path) -> "ClusterState":
@@ -214,22 +241,38 @@ def start_cluster(spec: ClusterSpec, timeout_s: float = 120.0, emulation: "Emula
     if emulation is not None and len(emulation.nodes) < spec.workers:
         raise ClusterError(f"{spec.workers} workers need {spec.workers} emulated nodes, got {len(emulation.nodes)}")
     nats_url = spec.nats_url if emulation is None else None
+    # Our own NATS requires a user per service (libs/bus/auth.py); a given NATS_URL keeps the
+    # credentials the environment has for it (LAYERCAST_NATS_USER / _PASSWORD, or inside the URL).
+    passwords = new_passwords() if nats_url is None else None
+    operator_url = nats_url
     if nats_url is None:
-        proc, nats_url = start_nats(state_dir, host=emulation.host_ip if emulation else "127.0.0.1")
+        env = {**os.environ, **spec.extra_env}
+        cert, key = env.get("LAYERCAST_NATS_SERVER_CERT"), env.get("LAYERCAST_NATS_SERVER_KEY")
+        if bool(cert) != bool(key):
+            raise ClusterError("LAYERCAST_NATS_SERVER_CERT and LAYERCAST_NATS_SERVER_KEY go together")
+        proc, nats_url = start_nats(state_dir, host=emulation.host_ip if emulation else "127.0.0.1",
+                                    passwords=passwords, namespace=spec.namespace,
+                                    tls=(cert, key) if cert else None)
         started.append(proc)
         procs.append(ProcessInfo("nats", proc.pid, None, str(state_dir / "logs" / "nats.log")))
+        # Tools that watch the cluster (benchmarks, tests) connect as the operator, through the state file.
+        operator_url = nats_url.replace("nats://", f"nats://{OPERATOR}:{passwords[OPERATOR]}@", 1)
     database_url = spec.database_url or f"sqlite:///{state_dir / 'registry.db'}"
-    state = ClusterState(str(state_dir), f"http://127.0.0.1:{spec.port}", spec.api_key, spec.admin_key, nats_url,
+    state = ClusterState(str(state_dir), f"http://127.0.0.1:{spec.port}", spec.api_key, spec.admin_key, operator_url,
                          database_url, spec.namespace, procs)
     base_env = {**os.environ, **spec.extra_env, "NATS_URL": nats_url, "LAYERCAST_NAMESPACE": spec.namespace,
                 "PYTHONUNBUFFERED": "1"}
+
+    def nats_user(user: str) -> dict[str, str]:
+        return {} if passwords is None else {"LAYERCAST_NATS_USER": user, "LAYERCAST_NATS_PASSWORD": passwords[user]}
 
     def launch(name: str, module: str, args: list[str], env: dict[str, str], health: str | None,
                node: int | None = None) -> None:
         log_path = state_dir / "logs" / f"{name}.log"
         log = open(log_path, "ab")
         argv = [sys.executable, "-m", module, *args]
-        kwargs = dict(stdout=log, stderr=subprocess.STDOUT, env={**base_env, **env}, cwd=state_dir)
+        user = "worker" if name.startswith("worker-") else name
+        kwargs = dict(stdout=log, stderr=subprocess.STDOUT, env={**base_env, **env, **nats_user(user)}, cwd=state_dir)
         if node is None:
             proc = subprocess.Popen(argv, start_new_session=True, **kwargs)
         else:
@@ -322,7 +365,7 @@ def cluster_status(state_dir: Path) -> dict:
     state = ClusterState.load(state_dir)
     return {
         "gateway_url": state.gateway_url,
-        "nats_url": state.nats_url,
+        "nats_url": redact(state.nats_url),
         "database_url": state.database_url,
         "processes": [{"name": p.name, "pid": p.pid, "alive": process_alive(p.pid),
                        "healthy": process_alive(p.pid) and healthy(p.health_url), "log": p.log} for p in state.processes],

@@ -114,6 +114,12 @@ def worker_rdma_connect(worker_id: str) -> str:
     return f"{PREFIX}.worker.{worker_id}.rdma.connect"
 
 
+def worker_peer(worker_id: str) -> str:
+    """RPC EndLivePair -> CommandAck (worker -> worker): the other side of a live pair ended.
+    Apart from `worker_command`, which only the planner may publish (libs/bus/auth.py)."""
+    return f"{PREFIX}.worker.{worker_id}.peer"
+
+
 def worker_cancel(worker_id: str) -> str:
     """EVENT CancelRequest (gateway -> worker): client went away or a stop string matched."""
     return f"{PREFIX}.worker.{worker_id}.cancel"

@@ -187,6 +187,9 @@ class Transport(ABC):
     def __init__(self, node_id: str):
         self.node_id = node_id
         self._expected: dict[tuple[str, int], tuple[str, BlockSlot]] = {}
+        # (op, source) -> the data-plane address the op's plan gives that source: bytes for the op
+        # are taken only from there (see named_source / expected_slot's `accept`).
+        self._source_addresses: dict[tuple[str, str], str] = {}
         self._expected_changed = threading.Condition()
         self._handlers: dict[str, MessageHandler] = {ABORT_CHANNEL: self._on_abort, GRANT_CHANNEL: self._on_grant}
         self._grants: set[tuple[str, int, str]] = set()  # (op, block, receiver) a receiver is ready for
@@ -228,14 +231,32 @@ class Transport(ABC):
         """Close every connection and the listener; pending receives fail."""
 
     # --- receive registrations (shared) -------------------------------------------------------
-    def expect(self, op_id: str, block_id: int, src: str, slot: BlockSlot) -> None:
-        """Register that `src` will send `block_id` of operation `op_id` into `slot`."""
+    def expect(self, op_id: str, block_id: int, src: str, slot: BlockSlot, address: str | None = None) -> None:
+        """Register that `src` will send `block_id` of operation `op_id` into `slot`; `address`: where
+        the plan says `src` is (a transport that can tell takes the bytes only from there)."""
         with self._expected_changed:
             key = (op_id, block_id)
             if key in self._expected:
                 raise ValueError(f"op {op_id}: block {block_id} is already expected")
             self._expected[key] = (src, slot)
+            if address is not None:
+                self._source_addresses[(op_id, src)] = address
             self._expected_changed.notify_all()
+
+    def named_source(self, src: str, accept: Callable[[str | None], bool], wait_s: float) -> bool:
+        """Whether an operation registered here expects bytes from `src` at an address `accept`s
+        (its argument: the plan's address for `src`, None where none was registered). Waits up to
+        `wait_s` for a plan still arriving."""
+        deadline = time.monotonic() + wait_s
+        with self._expected_changed:
+            while True:
+                ops = {op for (op, _), (s, _) in self._expected.items() if s == src}
+                if any(accept(self._source_addresses.get((op, src))) for op in ops):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._expected_changed.wait(min(left, 0.5))
 
     def forget(self, op_id: str) -> None:
         """Drop an operation's registrations (it finished or failed); late bytes for it are refused."""
@@ -245,13 +266,17 @@ class Transport(ABC):
         with self._expected_changed:
             for key in [k for k in self._expected if k[0] == op_id]:
                 del self._expected[key]
+            for key in [k for k in self._source_addresses if k[0] == op_id]:
+                del self._source_addresses[key]
             self._forgotten[op_id] = None
             while len(self._forgotten) > FORGOTTEN_OPS_KEPT:
                 self._forgotten.popitem(last=False)
             self._expected_changed.notify_all()
 
-    def expected_slot(self, op_id: str, block_id: int, src: str, wait_s: float) -> BlockSlot | None:
+    def expected_slot(self, op_id: str, block_id: int, src: str, wait_s: float,
+                      accept: Callable[[str | None], bool] | None = None) -> BlockSlot | None:
         """The slot registered for bytes `src` sends, or None for an operation that already ended here.
+        With `accept`, the bytes must also come from where the plan says `src` is (see named_source).
 
         Waits a little for a plan that is still arriving: a sender may start before its
         receiver has registered (plans reach workers in any order); TCP back-pressure
@@ -268,9 +293,13 @@ class Transport(ABC):
                                         f"which this node does not expect")
                 self._expected_changed.wait(min(left, 0.5))
             want_src, slot = self._expected[(op_id, block_id)]
+            address = self._source_addresses.get((op_id, src))
         if want_src != src:
             raise TransferError(f"{self.node_id}: op {op_id} block {block_id} expected from {want_src}, "
                                 f"arrived from {src}")
+        if accept is not None and not accept(address):
+            raise TransferError(f"{self.node_id}: op {op_id} block {block_id}: bytes claiming to be from {src} "
+                                f"came from elsewhere than its address in the plan ({address})")
         return slot
 
     def fail_from(self, src: str, error: BaseException, op_id: str | None = None) -> None:

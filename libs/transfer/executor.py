@@ -93,7 +93,8 @@ class PartRun:
             slots[hop.block].hold()
         try:
             for hop in self.receives:
-                transport.expect(op_id, hop.block, hop.peer, slots[hop.block])
+                # Bytes are taken only from the peer the plan names, at the address it gives.
+                transport.expect(op_id, hop.block, hop.peer, slots[hop.block], address=peers[hop.peer])
         except BaseException:
             transport.forget(op_id)
             raise

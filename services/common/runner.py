@@ -6,6 +6,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 
+from libs.bus.auth import NatsAuthError
 from libs.bus.broker import RemoteError, make_broker, start_broker
 from libs.protocol import subjects
 from libs.telemetry import HealthServer, setup_logging, setup_tracing
@@ -102,7 +103,11 @@ def run(service_factory: Callable[[], Service], health_host: str, health_port: i
     service = service_factory()
     setup_logging(service.name)
     setup_tracing(service.name, subjects.QUIET_SUBJECTS)
-    asyncio.run(serve(service, health_host, health_port))
+    try:
+        asyncio.run(serve(service, health_host, health_port))
+    except NatsAuthError as e:  # no point retrying: say what to fix and stop
+        log.error("%s cannot start: %s", service.name, e)
+        raise SystemExit(2) from None
 
 
 class EndedInstances:

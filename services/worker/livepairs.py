@@ -167,7 +167,7 @@ class LivePairs:
 
     async def _tell(self, worker: str, instance: str, reason: str) -> None:
         try:
-            await call(self.broker, subjects.worker_command(worker),
+            await call(self.broker, subjects.worker_peer(worker),
                        m.EndLivePair(instance_id=instance, reason=reason), m.CommandAck, timeout=5.0)
         except Exception as err:  # a peer that is gone needs no notice (its side ended with it)
             log.warning("could not tell %s that the live pair of %s ended: %s", worker, instance, err)

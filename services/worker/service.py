@@ -645,6 +645,11 @@ class WorkerService(Service):
         async def command(cmd: m.WorkerCommand) -> m.CommandAck:
             return await self._command(cmd)
 
+        @b.subscriber(subjects.worker_peer(wid))  # the other side of a live pair (not the planner's subject)
+        @rpc(m.EndLivePair)
+        async def peer(op: m.EndLivePair) -> m.CommandAck:
+            return await self.livepairs.end(op)
+
         @b.subscriber(subjects.EVENT_MODEL)
         @on_event(m.ModelEvent)
         async def model(ev: m.ModelEvent) -> None:

@@ -103,14 +103,60 @@ def test_workers_scale(services):
     assert worker["deploy"]["replicas"] >= 2
 
 
-def test_nats_requires_credentials(services):
-    command = " ".join(services["nats"]["command"])
-    assert "--user=layercast" in command and "--pass=${NATS_PASSWORD" in command
-    nats_urls = {name: s["environment"]["NATS_URL"] for name, s in services.items()
-                 if "NATS_URL" in s.get("environment", {})}
-    assert set(nats_urls) >= LAYERCAST_SERVICES
-    for name, url in nats_urls.items():
-        assert re.fullmatch(r"nats://layercast:\$\{NATS_PASSWORD:-[^}]+\}@nats:4222", url), f"{name}: {url}"
+def test_nats_requires_a_user_per_service(services):
+    from libs.bus import auth
+
+    nats = services["nats"]
+    assert "--config=/etc/nats/nats.conf" in nats["command"][0]
+    assert "./deploy/nats/nats.conf:/etc/nats/nats.conf:ro" in nats["volumes"]
+    assert not any("--user" in c or "--pass" in c for c in nats["command"]), "a shared user bypasses the rights"
+    conf = (ROOT / "deploy" / "nats" / "nats.conf").read_text()
+    # Generated from libs/protocol/subjects.py: regenerate with `python -m libs.bus.auth`.
+    assert auth.deployment_config() in conf, "deploy/nats/nats.conf is out of step with libs/bus/auth.py"
+    for user in auth.SERVICE_USERS:
+        var = auth.PASSWORD_VARIABLES[user]
+        assert re.fullmatch(rf"\$\{{{var}:-[A-Za-z][^}}]*\}}", nats["environment"][var]), var
+    users = {}
+    for name, s in services.items():
+        env = s.get("environment", {})
+        if "NATS_URL" in env:
+            assert env["NATS_URL"] == "nats://nats:4222", f"{name}: credentials belong in LAYERCAST_NATS_*"
+        if "LAYERCAST_NATS_USER" in env:
+            users[name] = env["LAYERCAST_NATS_USER"]
+            var = auth.PASSWORD_VARIABLES[users[name]]
+            assert env["LAYERCAST_NATS_PASSWORD"] == nats["environment"][var], name
+    assert users == {name: name for name in LAYERCAST_SERVICES}
+
+
+def test_nats_conf_admits_the_services_with_the_dev_passwords_and_nobody_else(services, tmp_path):
+    """The compose nats.conf on a real nats-server, with the defaults docker-compose.yml gives."""
+    import asyncio
+
+    import nats
+
+    from libs.cluster.launcher import free_port, nats_server_binary, wait_port
+
+    env = {var: re.fullmatch(r"\$\{[A-Z_]+:-(.*)\}", value).group(1)
+           for var, value in services["nats"]["environment"].items()}
+    port = free_port()
+    proc = subprocess.Popen([nats_server_binary(), "-c", str(ROOT / "deploy/nats/nats.conf"), "-a", "127.0.0.1",
+                             "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_port("127.0.0.1", port, 15)
+        url = f"nats://127.0.0.1:{port}"
+
+        async def check():
+            worker = services["worker"]["environment"]
+            password = env[re.fullmatch(r"\$\{([A-Z_]+):-.*\}", worker["LAYERCAST_NATS_PASSWORD"]).group(1)]
+            nc = await nats.connect(url, user="worker", password=password, allow_reconnect=False)
+            await nc.close()
+            with pytest.raises(Exception, match="Authorization Violation"):
+                await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0)
+
+        asyncio.run(check())
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_env_example_lists_every_interpolated_variable():

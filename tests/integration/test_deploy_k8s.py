@@ -213,16 +213,31 @@ def test_prod_expects_the_operator_secret_and_managed_variant_drops_the_datastor
     assert ("StatefulSet", "worker") in names
 
 
-def test_nats_requires_the_password_the_services_use():
+def test_nats_requires_a_user_per_service_with_its_secret_password():
+    from libs.bus import auth as nats_auth
+
     objs = objects("dev")
     [conf] = [o["data"]["nats.conf"] for o in objs
               if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("nats-config")]
-    auth = conf[conf.index("authorization"):]
-    assert "user: layercast" in auth and "password: $NATS_PASSWORD" in auth
+    # Generated from libs/protocol/subjects.py: regenerate with `python -m libs.bus.auth`.
+    assert nats_auth.deployment_config() in conf, "k8s/base/nats.conf is out of step with libs/bus/auth.py"
+    assert conf.count("user:") == len(nats_auth.SERVICE_USERS), "a user beside the services'"
     nats = find(objs, "StatefulSet", "nats")["spec"]["template"]["spec"]["containers"][0]
-    ref = env_of(nats)["NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]
-    assert (ref["name"], ref["key"]) == (OPERATOR_SECRET, "NATS_PASSWORD")
     secret = {k: base64.b64decode(v).decode() for k, v in find(objs, "Secret", OPERATOR_SECRET)["data"].items()}
+    for user in nats_auth.SERVICE_USERS:
+        var = nats_auth.PASSWORD_VARIABLES[user]
+        ref = env_of(nats)[var]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == (OPERATOR_SECRET, var)
+        assert secret[var][0].isalpha(), f"{var}: nats.conf reads a password starting with a digit as a number"
+        kind = "StatefulSet" if user == "worker" else "Deployment"
+        [service] = [c for c in containers(find(objs, kind, user)) if ours(c)]
+        env = env_of(service)
+        assert env["LAYERCAST_NATS_USER"]["value"] == user
+        ref = env["LAYERCAST_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == (OPERATOR_SECRET, var), user
+        # Only its own password: a service holding another's could use that one's rights.
+        others = {nats_auth.PASSWORD_VARIABLES[u] for u in nats_auth.SERVICE_USERS if u != user}
+        assert not others & {e.get("valueFrom", {}).get("secretKeyRef", {}).get("key") for e in env.values()}
     nats_url, db_url = urlsplit(secret["NATS_URL"]), urlsplit(secret["DATABASE_URL"])
-    assert (nats_url.username, nats_url.password, nats_url.hostname) == ("layercast", secret["NATS_PASSWORD"], "nats")
+    assert (nats_url.username, nats_url.password, nats_url.hostname) == (None, None, "nats")
     assert (db_url.password, db_url.hostname) == (secret["POSTGRES_PASSWORD"], "postgres")

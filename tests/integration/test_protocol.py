@@ -31,7 +31,8 @@ def test_unknown_versions_and_bad_fields_are_rejected_unknown_fields_ignored():
 def test_subjects_live_under_the_namespace():
     names = [v for k, v in vars(subjects).items() if k.isupper() and isinstance(v, str)
              and k not in ("PREFIX", "PLAN_STREAM")]
-    names += [subjects.worker_command("w"), subjects.worker_plan("w"), subjects.tokens("g", "r"),
+    names += [subjects.worker_command("w"), subjects.worker_plan("w"), subjects.worker_peer("w"),
+              subjects.tokens("g", "r"),
               subjects.tokens_wildcard("g")]
     assert all(n.startswith(subjects.PREFIX + ".") for n in names)
     assert len(set(names)) == len(names)

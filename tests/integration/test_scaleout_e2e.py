@@ -17,14 +17,16 @@ API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
+def cluster(tmp_path_factory, postgres_server_url, tiny_checkpoint):
     # The test asks for the scale-out itself (as the load-monitor would), so the cluster uses its
-    # subject namespace; the load-monitor holds back scale-ins for the whole test.
+    # subject namespace; the load-monitor holds back scale-ins for the whole test. No NATS_URL: the
+    # cluster runs its own NATS with a user per service (libs/bus/auth.py), as `layercast up` does,
+    # so the multicast below also runs under each service's NATS rights.
     with running_cluster(
             postgres_server_url, tiny_checkpoint,
             dict(min_instances=1, max_instances=3, keep_alive_s=600, scaling_mode="binomial"),
             state_dir=tmp_path_factory.mktemp("cluster"), api_key=API_KEY, admin_key=ADMIN_KEY, workers=3,
-            nats_url=nats_url, namespace=subjects.PREFIX,
+            namespace=subjects.PREFIX,
             extra_env={"LAYERCAST_SCALE_DOWN_DELAY": "600"}) as state:
         yield state
 
@@ -46,7 +48,7 @@ def sample(text: str, name: str, **labels) -> float:
     return 0.0
 
 
-def test_a_scale_out_multicasts_from_the_host_copy_and_the_new_instances_serve(cluster, nats_url):
+def test_a_scale_out_multicasts_from_the_host_copy_and_the_new_instances_serve(cluster):
     # min_instances=1: the first instance reads the checkpoint from disk and leaves a host copy.
     first = wait_for(lambda: ready_workers(cluster), 60, "the first instance")
     source = next(iter(first))
@@ -65,7 +67,7 @@ def test_a_scale_out_multicasts_from_the_host_copy_and_the_new_instances_serve(c
         return next((w for w, n in host.items() if n == n_blocks), None)
     pool = wait_for(pool_copy, 60, "the pool's copy off the serving worker")
 
-    request_scale(nats_url, 3)
+    request_scale(cluster.nats_url, 3)  # as the operator (the state file's NATS URL carries its password)
     workers = wait_for(lambda: w if len(w := ready_workers(cluster)) == 3 else None, 60, "three instances")
     receivers = workers - first - {pool}  # the pool's worker loads its own copy (and may send)
 

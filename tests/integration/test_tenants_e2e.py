@@ -24,8 +24,10 @@ API_KEY, ADMIN_KEY = TEST_API_KEY, TEST_ADMIN_KEY
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
-    with one_worker_cluster(tmp_path_factory, postgres_server_url, tiny_checkpoint, nats_url,
+def cluster(tmp_path_factory, postgres_server_url, tiny_checkpoint):
+    # No NATS_URL: the cluster runs its own NATS, as `layercast up` does, with a user per service
+    # (libs/bus/auth.py): every test here also runs the services under their NATS rights.
+    with one_worker_cluster(tmp_path_factory, postgres_server_url, tiny_checkpoint, None,
                             f"lck{uuid.uuid4().hex[:8]}") as state:
         # A second model, never asked to run: a key limited to "tiny" must not see it.
         deploy_model(state, "other", tiny_checkpoint)
@@ -189,3 +191,20 @@ def test_keys_through_the_cli_are_stored_hashed_and_revoked_at_once(cluster, mon
     for bad in ("sk-lc-" + "x" * 43, "sk-something-else"):
         assert assert_openai_error(complete(client(cluster, bad)), 401)["code"] == "invalid_api_key"
     assert complete(client(cluster, API_KEY)).status_code == 200
+
+
+def test_the_admin_api_refuses_tenant_keys_and_the_static_api_keys(cluster):
+    tenant = create_key(cluster, f"not-admin-{uuid.uuid4().hex[:6]}")["key"]
+    assert complete(client(cluster, tenant)).status_code == 200  # a good key, for the OpenAI API
+    spec = httpx.get(f"{cluster.gateway_url}/openapi.json", timeout=30).json()
+    routes = [(method.upper(), path.replace("{name}", "tiny").replace("{model}", "tiny")
+               .replace("{key_id}", "key-0123456789abcdef"))
+              for path, ops in spec["paths"].items() if path.startswith("/admin/") for method in ops]
+    assert len(routes) >= 9, routes
+    for key in (tenant, API_KEY):
+        for method, path in routes:
+            r = client(cluster, key).request(method, path, json={})
+            assert assert_openai_error(r, 401)["code"] == "invalid_api_key", (method, path, key)
+    # Nothing the tenant sent deleted the model, made a key or revoked one.
+    assert client(cluster, ADMIN_KEY).get("/admin/v1/models/tiny").status_code == 200
+    assert complete(client(cluster, tenant)).status_code == 200

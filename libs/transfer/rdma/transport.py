@@ -468,11 +468,11 @@ class RdmaTransport(Transport):
         """Informational: peers are reached by node id through `exchange`, not by this address."""
         return f"rdma://{self.node_id}/{self._device}/{self._port}"
 
-    def expect(self, op_id: str, block_id: int, src: str, slot: BlockSlot) -> None:
+    def expect(self, op_id: str, block_id: int, src: str, slot: BlockSlot, address: str | None = None) -> None:
         key = (op_id, block_id)
         with self._lock:  # against _on_offer: an offer is either pending here or sees the registration
             self._check_open()
-            super().expect(op_id, block_id, src, slot)
+            super().expect(op_id, block_id, src, slot, address)
             pending = self._pending_offers.pop(key, None)
         if pending is not None:
             # The sender offered before we expected the block: answer it now.

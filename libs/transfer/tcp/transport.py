@@ -10,10 +10,18 @@
 - Small messages (pipeline activations) use their own connections with
   TCP_NODELAY, so they never wait behind bulk bytes (BlitzScale §4: serving
   traffic must not queue behind parameter transfers).
+- Bytes only from the peers a plan names: a bulk connection is admitted once a
+  registered operation expects bytes from the node its hello names, and only if it
+  comes from that node's address in the plan (its IP, or an IP its name resolves
+  to); otherwise it is closed before a byte of it is read into a block. Every data
+  frame is checked again (the op must expect that block from that node, at that
+  address), since one connection carries many operations.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import logging
 import socket
 import threading
@@ -22,7 +30,7 @@ from collections.abc import Callable
 
 from libs.transfer.tcp import frames as f
 from libs.checkpoint.pacing import make_pacer
-from libs.transfer.base import BlockSlot, Transport, TransferError
+from libs.transfer.base import ABORT_CHANNEL, BlockSlot, Transport, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +38,7 @@ DRAIN_CHUNK = 1 << 20
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux value; older Pythons lack the name
 DEFAULT_UNSENT_LIMIT = 128 << 10
 DEFAULT_CONGESTION_CONTROL = "cubic"  # for bulk connections; see TcpTransport._set_congestion_control
+RESOLVE_TTL_S = 10.0  # how long a peer's resolved addresses are reused
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -73,6 +82,17 @@ def _recv_into(sock: socket.socket, view: memoryview, first: Callable[[], None] 
         got += k
 
 
+def _normal_ip(ip: str) -> str:
+    """An IP as text, an IPv4-mapped IPv6 address as its IPv4 form (one spelling per host)."""
+    try:
+        addr = ipaddress.ip_address(ip.split("%")[0])
+    except ValueError:
+        return ip
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.compressed
+
+
 def _send_all(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
     """sendmsg until every byte of every buffer is out (the kernel may take part of them)."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
@@ -96,8 +116,13 @@ class TcpTransport(Transport):
     def __init__(self, node_id: str, host: str = "127.0.0.1", port: int = 0, *,
                  advertise_host: str | None = None, connect_timeout_s: float = 10.0,
                  unknown_op_wait_s: float = 30.0, unsent_limit_bytes: int = DEFAULT_UNSENT_LIMIT,
-                 congestion_control: str | None = DEFAULT_CONGESTION_CONTROL, egress_mbit: float = 0.0):
+                 congestion_control: str | None = DEFAULT_CONGESTION_CONTROL, egress_mbit: float = 0.0,
+                 check_peer_hosts: bool = True):
         super().__init__(node_id)
+        # Whether bytes must come from the address the plan gives their sender (not just carry its name).
+        self.check_peer_hosts = check_peer_hosts
+        self.refused_connections = 0  # bulk connections closed: no plan names their peer (at their address)
+        self._resolved: dict[str, tuple[float, frozenset[str]]] = {}
         # Emulation without root (tests): block data leaves at most at this rate, paced in process.
         self._egress = make_pacer(egress_mbit)
         self.unsent_limit_bytes = unsent_limit_bytes
@@ -227,14 +252,50 @@ class TcpTransport(Transport):
                 self._accepted.add(sock)
             threading.Thread(target=self._serve, args=(sock,), name=f"tcp-recv-{self.node_id}", daemon=True).start()
 
+    def _ips(self, address: str) -> frozenset[str]:
+        """The IPs `address` ("host:port" from a plan) stands for; a name is resolved (cached briefly)."""
+        host = split_address(address)[0]
+        try:
+            ipaddress.ip_address(host)
+            return frozenset({_normal_ip(host)})
+        except ValueError:
+            pass
+        now = time.monotonic()
+        cached = self._resolved.get(host)
+        if cached is not None and now - cached[0] < RESOLVE_TTL_S:
+            return cached[1]
+        try:
+            ips = frozenset(_normal_ip(info[4][0]) for info in socket.getaddrinfo(host, None))
+        except OSError as e:
+            log.warning("%s: cannot resolve data-plane peer %s: %s", self.node_id, host, e)
+            ips = frozenset()
+        self._resolved[host] = (now, ips)
+        return ips
+
+    def _from_plan_address(self, remote_ip: str):
+        """accept(address) for Transport.named_source / expected_slot: the bytes come from `remote_ip`."""
+        if not self.check_peer_hosts:
+            return lambda address: True
+        return lambda address: address is None or remote_ip in self._ips(address)
+
     def _serve(self, sock: socket.socket) -> None:
         src = "<unknown>"
+        admitted = False
+        conn_class = None
         try:
+            remote_ip = _normal_ip(sock.getpeername()[0])
             fixed = _recv_exact(sock, f.HELLO_FIXED)
             if fixed is None:
                 return
             conn_class, n = f.decode_hello_fixed(fixed)
             src = _recv_header(sock, n).decode()
+            accept = self._from_plan_address(remote_ip)
+            if conn_class == f.ConnClass.BULK and not self.named_source(src, accept, self.unknown_op_wait_s):
+                self.refused_connections += 1
+                log.warning("%s: refused a data-plane connection from %s claiming to be %s: no operation here "
+                            "expects bytes from %s at that address", self.node_id, remote_ip, src, src)
+                return
+            admitted = True
             if conn_class == f.ConnClass.MESSAGE:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while True:
@@ -243,9 +304,9 @@ class TcpTransport(Transport):
                     break  # clean close between frames
                 kind = f.decode_kind(kind_raw)
                 if kind == f.FrameKind.DATA:
-                    self._receive_data(sock, src)
+                    self._receive_data(sock, src, accept)
                 else:
-                    self._receive_message(sock, src)
+                    self._receive_message(sock, src, accept)
         except (OSError, ConnectionError, f.FrameError, TransferError, UnicodeDecodeError) as e:
             if not self._closed:
                 log.warning("%s: data-plane connection from %s ended: %s", self.node_id, src, e)
@@ -253,14 +314,15 @@ class TcpTransport(Transport):
             with self._pool_lock:
                 self._accepted.discard(sock)
             sock.close()
-            if not self._closed and src != "<unknown>":
-                # Whatever this peer still owed us will not come on this connection.
+            if not self._closed and admitted and conn_class == f.ConnClass.BULK:
+                # Whatever this peer still owed us will not come on this connection. (Only an admitted
+                # bulk connection: whoever merely claims a name must not break that peer's transfers.)
                 self.fail_from(src, TransferError(f"connection from {src} closed"))
 
-    def _receive_data(self, sock: socket.socket, src: str) -> None:
+    def _receive_data(self, sock: socket.socket, src: str, accept=None) -> None:
         op_len, block, offset, length, total = f.decode_data_fixed(_recv_header(sock, f.DATA_FIXED))
         op_id = _recv_header(sock, op_len).decode()
-        slot = self.expected_slot(op_id, block, src, self.unknown_op_wait_s)
+        slot = self.expected_slot(op_id, block, src, self.unknown_op_wait_s, accept)
         if slot is None or slot.error is not None:
             # The operation already ended or failed here: drop the bytes to keep the stream in frame.
             self._drain(sock, length)
@@ -288,12 +350,26 @@ class TcpTransport(Transport):
             raise
         slot.advance(length)
 
-    def _receive_message(self, sock: socket.socket, src: str) -> None:
+    def _receive_message(self, sock: socket.socket, src: str, accept=None) -> None:
         ch_len, length = f.decode_message_fixed(_recv_header(sock, f.MESSAGE_FIXED))
         channel = _recv_header(sock, ch_len).decode()
         payload = bytearray(length)
         _recv_into(sock, memoryview(payload))
+        if channel == ABORT_CHANNEL and accept is not None and not self._abort_from_plan(src, bytes(payload), accept):
+            log.warning("%s: dropped an abort claiming to be from %s, sent from elsewhere than its address in "
+                        "the plan", self.node_id, src)
+            return
         self.dispatch(src, channel, bytes(payload))
+
+    def _abort_from_plan(self, src: str, payload: bytes, accept) -> bool:
+        """Whether an abort comes from where the op's plan says `src` is (it fails that op's blocks)."""
+        try:
+            op_id = str(json.loads(payload)["op_id"])
+        except (ValueError, KeyError, TypeError):
+            return True  # malformed: the handler drops it
+        with self._expected_changed:
+            address = self._source_addresses.get((op_id, src))
+        return accept(address)
 
     @staticmethod
     def _drain(sock: socket.socket, length: int) -> None:
