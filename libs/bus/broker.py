@@ -64,6 +64,8 @@ def make_broker(url: str | None = None, **kwargs: Any) -> NatsBroker:
         logger=logging.getLogger("layercast.bus"),
         log_level=logging.DEBUG,
         max_reconnect_attempts=-1,
+        # A restarted server is back within a second or two: retry often (the default waits 2 s).
+        reconnect_time_wait=0.25,
         **kwargs,
     )
 

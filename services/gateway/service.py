@@ -62,6 +62,8 @@ BUSY_REFUSALS = Counter("layercast_gateway_busy_refusals_total",
 TOKENIZER_RUNS = Counter("layercast_gateway_tokenizer_runs_total",
                          "Requests' tokenizer work (chat templating, tokenizing, decoding ids) by the thread "
                          "it ran in: the event loop's (small inputs only) or a tokenizer thread", ["thread"])
+RECONNECTS = Counter("layercast_gateway_nats_reconnects_total",
+                     "NATS reconnections; each hands over the streams in flight (tokens may have been lost)")
 UNANSWERED = Counter("layercast_gateway_unanswered_dispatches_total",
                      "Requests a worker did not accept or refuse in time (overloaded, or hung); that "
                      "attempt was cancelled there and the request went to another instance or waited",
@@ -219,8 +221,12 @@ class Generation:
             if choice.finished or ev.index < choice.expected:
                 continue  # a token the instance handed over from had sent already, or after a stop string
             if ev.index != choice.expected:
-                raise APIError(503, f"token stream lost tokens (got {ev.index}, expected {choice.expected})",
-                               code="stream_broken", retry_after=1)
+                # Tokens were lost on the way (a NATS restart drops what it carried): go on from
+                # the tokens received, on this instance or another, rather than fail the request.
+                why = f"token stream lost tokens (got {ev.index}, expected {choice.expected})"
+                if await self._hand_over(why):
+                    continue
+                raise APIError(503, why, code="stream_broken", retry_after=1)
             choice.expected += 1
             if ev.token_id is not None:
                 choice.token_ids.append(ev.token_id)
@@ -425,6 +431,24 @@ class GatewayService(Service):
             gen.switches += switched
             gen.queue.put_nowait(m.TokenEvent(request_id=rid, index=-1, finished=True, finish_reason="error",
                                               error=why, instance_id=instance_id))
+
+    async def on_reconnected(self) -> None:
+        """NATS came back: tokens sent to this gateway while it was away are lost, and the
+        streams waiting for them would wait out the token timeout. Hand each over now (a planned
+        move: the instance did not fail), and read the registry again (routes dropped while
+        workers did not answer come back)."""
+        moved = 0
+        for rid, gen in list(self.streams.items()):
+            if gen.route is None or gen.finished:
+                continue  # not dispatched yet: its dispatch retries by itself
+            gen.switches += 1
+            gen.queue.put_nowait(m.TokenEvent(request_id=rid, index=-1, finished=True, finish_reason="error",
+                                              error="the NATS connection was re-established",
+                                              instance_id=gen.route.instance_id))
+            moved += 1
+        RECONNECTS.inc()
+        log.warning("NATS reconnected: handing over %d in-flight streams", moved)
+        self.spawn(self.resync())
 
     def _streams_on(self, route: Route) -> list[tuple[str, Generation]]:
         """The requests streaming from `route` now (a copy: handing over changes the table)."""
