@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 class SupervisionEvent:
     """An exit seen or a restart made, in the order they happened (what tests assert on)."""
 
-    kind: str  # "exited" | "restarted" | "restart_failed"
+    kind: str  # "exited" | "told_registry" (a worker's; detail: "dead", "already dead", "failed: ...")
+    #           | "restarted" | "restart_failed"
     name: str
     pid: int
     at: float  # time.monotonic()
@@ -107,10 +108,11 @@ class Supervisor:
                 wid = worker_id_of(p)
                 if wid is not None and self.tell_registry:
                     try:
-                        told = report_worker_exit(self.state, wid, how)
-                        self.report(f"registry told that {wid} exited" + ("" if told else " (it knew)"))
+                        told = "dead" if report_worker_exit(self.state, wid, how) else "already dead"
                     except Exception as e:  # NATS or the registry down: its heartbeats will expire
-                        self.report(f"could not tell the registry that {wid} exited: {e!r}")
+                        told = f"failed: {e!r}"
+                    self._event("told_registry", p, p.pid, told)
+                    self.report(f"registry told that {wid} exited: {told}")
                 now = time.monotonic()
             if now < w.restart_at:
                 continue

@@ -6,6 +6,7 @@ come from the records of its window."""
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -108,8 +109,9 @@ class Load:
                 self._stop.wait(0.2)
 
     def window(self, start: float, end: float) -> list[Sent]:
+        """The requests in flight at some moment of [start, end)."""
         with self._lock:
-            return [r for r in self.records if start <= r.start < end]
+            return [r for r in self.records if r.start < end and (r.end is None or r.end >= start)]
 
     def wait_ended(self, records: list[Sent], timeout_s: float = 90) -> None:
         deadline = time.monotonic() + timeout_s
@@ -135,3 +137,45 @@ def _http_error(r: httpx.Response) -> str:
         code = "?"
     retry = " retry-after" if "retry-after" in r.headers else ""
     return f"http {r.status_code} {code}{retry}"
+
+
+def measure(load: Load, name: str, kill: Callable[[], None], before_s: float = 1.0, after_s: float = 0.5,
+            recovery_timeout_s: float = 30.0) -> dict:
+    """Run the load `before_s`, `kill()`, wait for a request sent after the kill to succeed, run
+    `after_s` more; the figures of that window (every request sent in it, once ended)."""
+    start = time.monotonic()
+    time.sleep(before_s)
+    killed_at = time.monotonic()
+    kill()
+    deadline = killed_at + recovery_timeout_s
+    while (first := load.first_success_after(killed_at)) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no request succeeded within {recovery_timeout_s}s of killing {name}")
+        time.sleep(0.05)
+    time.sleep(after_s)
+    end = time.monotonic()
+    sent = load.window(start, end)
+    load.wait_ended(sent)
+    outcomes = [r.outcome for r in sent]
+    return {
+        "fault": name, "sent": len(sent), "succeeded": outcomes.count("ok"),
+        "failed": sum(1 for o in outcomes if o not in ("ok", "cut") and not o.startswith("transport")),
+        "connection_errors": sum(1 for o in outcomes if o.startswith("transport")),
+        "streams_cut": outcomes.count("cut"),
+        "first_success_s": round(first, 3),
+        "unlisted": load.unlisted(start, end),
+        "errors": sorted({o for o in outcomes if o != "ok"}),
+    }
+
+
+def assert_nothing_lost(figures: dict, first_within_s: float) -> None:
+    assert figures["failed"] == 0 and figures["connection_errors"] == 0 and figures["streams_cut"] == 0, figures
+    assert figures["first_success_s"] <= first_within_s, figures
+    assert figures["unlisted"] == 0, figures
+
+
+def print_figures(request, figures: list[dict]) -> None:
+    """One JSON line per fault on the terminal (CI's log), whatever pytest captured."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    for line in figures:
+        reporter.write_line("fault " + json.dumps(line))
