@@ -179,6 +179,7 @@ class Generation:
         self.prompt_len, self.started, self.span = len(prompt_ids), started, span
         self.handovers = 0
         self.switches = 0  # hand-overs of a pipeline's mode switch or a preemption: planned, not failures
+        self.attempt: int | None = None  # GenerateRequest.attempt of its dispatch now (set by dispatch)
         self.queue: asyncio.Queue[m.TokenEvent] = asyncio.Queue()
         self.choices = [_Choice(entry.tokenizer, stops) for _ in range(sampling.n)]
 
@@ -281,8 +282,11 @@ class Generation:
             return False
         self.handovers += 1
         old = self.route
+        # That attempt only: the request may be handed over to the same instance, and this cancel
+        # may reach the worker after the new attempt.
         await self.gw.workers.cancel(old.worker_id, m.CancelRequest(request_id=self.request_id,
-                                                                    instance_id=old.instance_id))
+                                                                    instance_id=old.instance_id,
+                                                                    attempt=self.attempt))
         self.entry.routes.release(old, self.sampling.n)
         while not self.queue.empty():
             self.queue.get_nowait()  # what the old instance sent is stale
@@ -447,7 +451,7 @@ class GatewayService(Service):
                                               instance_id=gen.route.instance_id))
             moved += 1
         RECONNECTS.inc()
-        log.warning("NATS reconnected: handing over %d in-flight streams", moved)
+        log.warning("NATS reconnected: handing over %d in-flight streams (of %d requests)", moved, len(self.streams))
         self.spawn(self.resync())
 
     def _streams_on(self, route: Route) -> list[tuple[str, Generation]]:
@@ -666,6 +670,8 @@ class GatewayService(Service):
                 span = trace.get_current_span()
                 span.set_attribute("layercast.instance", route.instance_id)
                 span.set_attribute("layercast.worker", route.worker_id)
+                if (gen := self.streams.get(request_id)) is not None:
+                    gen.attempt = req.attempt  # a hand-over cancels exactly this attempt
                 return route
         raise APIError(503, "no instance accepted the request", code="model_unavailable", retry_after=1)
 
