@@ -174,8 +174,13 @@ def assert_nothing_lost(figures: dict, first_within_s: float) -> None:
     assert figures["unlisted"] == 0, figures
 
 
-def print_figures(request, figures: list[dict]) -> None:
-    """One JSON line per fault on the terminal (CI's log), whatever pytest captured."""
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+def report_figures(config, figures: list[dict], prefix: str = "fault ") -> None:
+    """One JSON line per fault on the terminal (CI's log), whatever pytest captures; also printed
+    (a failing test's report shows it)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
     for line in figures:
-        reporter.write_line("fault " + json.dumps(line))
+        text = prefix + json.dumps(line)
+        print(text)
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(text)

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from conftest import TEST_ADMIN_KEY, TEST_API_KEY, fresh_database, wait_for
-from fault_load import Load, assert_nothing_lost, measure, print_figures
+from fault_load import Load, assert_nothing_lost, measure, report_figures
 from libs.admin import deploy_model
 from libs.cluster.launcher import ClusterSpec, find_process, free_port, healthy, kill_process, start_cluster, \
     stop_processes
@@ -62,13 +62,13 @@ def cluster(tmp_path_factory, own_postgres, tiny_checkpoint, request):
             supervisor = Supervisor(state, backoff=RestartBackoff(initial_s=0.2, max_s=2.0)).start()
             try:
                 with Load(state.gateway_url, TEST_API_KEY, MODEL) as load:
-                    state.supervisor, state.load = supervisor, load
+                    state.supervisor, state.load, state.config = supervisor, load, request.config
                     yield state
             finally:
                 supervisor.stop()
         finally:
             stop_processes(state.processes)
-            print_figures(request, FIGURES)
+            report_figures(request.config, FIGURES, "fault summary ")
 
 
 def ready_instances(cluster) -> int:
@@ -80,8 +80,8 @@ def ready_instances(cluster) -> int:
         return 0
 
 
-def settled(cluster) -> bool:
-    return all(healthy(p.health_url) for p in cluster.processes) and ready_instances(cluster) == 2
+def settled(cluster, instances: int) -> bool:
+    return all(healthy(p.health_url) for p in cluster.processes) and ready_instances(cluster) >= instances
 
 
 def metric(cluster, process: str, name: str) -> float:
@@ -92,10 +92,12 @@ def metric(cluster, process: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
-def inject(cluster, name: str, kill) -> dict:
-    wait_for(lambda: settled(cluster), 60, "the cluster to be settled (every process healthy, 2 instances)")
+def inject(cluster, name: str, kill, instances: int = 1) -> dict:
+    wait_for(lambda: settled(cluster, instances), 90,
+             f"the cluster to be settled (every process healthy, {instances}+ instances ready)")
     figures = measure(cluster.load, name, kill, recovery_timeout_s=90)  # the figure even when late
     FIGURES.append(figures)
+    report_figures(cluster.config, [figures])
     return figures
 
 
@@ -126,18 +128,6 @@ def test_a_nats_restart_hands_streams_over_at_once_and_loses_no_request(cluster)
     assert_nothing_lost(figures, 5.0)
 
 
-def test_a_serving_worker_killed_moves_its_requests_when_its_exit_is_seen(cluster):
-    since = time.monotonic()
-    exits = metric(cluster, "registry", "layercast_registry_worker_exits_total")
-    figures = inject(cluster, "worker-1", kill_and_await_restart(cluster, "worker-1"))
-    # Declared dead because the supervisor saw it exit (told the registry at once), not after
-    # its heartbeats' TTL (10 s here, twice the 5 s the first success must come within).
-    told = [e.detail for e in cluster.supervisor.events if e.kind == "told_registry" and e.at >= since]
-    assert told == ["dead"], told
-    assert metric(cluster, "registry", "layercast_registry_worker_exits_total") == exits + 1
-    assert_nothing_lost(figures, 5.0)
-
-
 def test_a_gateway_killed_loses_only_its_own_connections(cluster):
     figures = inject(cluster, "gateway", kill_and_await_restart(cluster, "gateway"))
     # Connections to the dead gateway fail (a client retries those); a restarted gateway that has
@@ -162,3 +152,15 @@ def test_postgres_killed_loses_no_request(cluster, own_postgres):
     figures = inject(cluster, "postgres", kill)
     assert_nothing_lost(figures, 5.0)
     assert healthy(find_process(cluster, "registry").health_url)
+
+
+def test_a_serving_worker_killed_moves_its_requests_when_its_exit_is_seen(cluster):
+    since = time.monotonic()
+    exits = metric(cluster, "registry", "layercast_registry_worker_exits_total")
+    figures = inject(cluster, "worker-1", kill_and_await_restart(cluster, "worker-1"), instances=2)
+    # Declared dead because the supervisor saw it exit (told the registry at once), not after
+    # its heartbeats' TTL (10 s here, twice the 5 s the first success must come within).
+    told = [e.detail for e in cluster.supervisor.events if e.kind == "told_registry" and e.at >= since]
+    assert told == ["dead"], told
+    assert metric(cluster, "registry", "layercast_registry_worker_exits_total") == exits + 1
+    assert_nothing_lost(figures, 5.0)
