@@ -178,9 +178,11 @@ def report_figures(config, figures: list[dict], prefix: str = "fault ") -> None:
     """One JSON line per fault on the terminal (CI's log), whatever pytest captures; also printed
     (a failing test's report shows it)."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
     for line in figures:
         text = prefix + json.dumps(line)
         print(text)
-        if reporter is not None:
-            reporter.ensure_newline()
-            reporter.write_line(text)
+        if reporter is not None and capture is not None:
+            with capture.global_and_fixture_disabled():  # past the capture of the test's output
+                reporter.ensure_newline()
+                reporter.write_line(text)
