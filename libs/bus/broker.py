@@ -81,6 +81,8 @@ def make_broker(url: str | None = None, **kwargs: Any) -> NatsBroker:
         log_level=logging.DEBUG,
         max_reconnect_attempts=-1,
         **security,
+        # A restarted server is back within a second or two: retry often (the default waits 2 s).
+        reconnect_time_wait=0.25,
         **kwargs,
     )
     broker._layercast_target = (redact(url), user)  # for start_broker's errors

@@ -89,32 +89,35 @@ def wait_port(host: str, port: int, timeout_s: float) -> None:
     raise ClusterError(f"{host}:{port} did not open within {timeout_s}s")
 
 
+def nats_argv(state_dir: Path, port: int, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
+              namespace: str | None = None, tls: tuple[str, str] | None = None) -> list[str]:
+    """The nats-server command line (JetStream on); with `passwords` (user -> password,
+    libs.bus.auth.USERS) it requires them: each service's user gets only its own subjects under
+    `namespace` (libs/bus/auth.py); nats.conf is written into the state directory, readable by
+    its owner only. Without, anyone may connect (the tests' stand-in for a machine's NATS).
+    `tls` (certificate and key files, with `passwords`): clients must use TLS."""
+    store = state_dir / "nats"
+    store.mkdir(parents=True, exist_ok=True)
+    if passwords is None:
+        return [nats_server_binary(), "-a", host, "-p", str(port), "-js", "-sd", str(store)]
+    conf = state_dir / "nats.conf"
+    conf.touch(mode=0o600)
+    conf.chmod(0o600)  # it holds every password
+    conf.write_text(nats_config(passwords, namespace or "layercast", listen=f"{host}:{port}",
+                                store_dir=str(store), tls=tls,
+                                header="# Written by layercast up: one user per service (libs/bus/auth.py)."))
+    return [nats_server_binary(), "-c", str(conf)]
+
+
 def start_nats(state_dir: Path, port: int | None = None, host: str = "127.0.0.1",
                passwords: dict[str, str] | None = None, namespace: str | None = None,
                tls: tuple[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """A nats-server with JetStream; `host` is the address it listens on (an emulated cluster's bridge).
-
-    With `passwords` (user -> password, libs.bus.auth.USERS) it requires them: each service's
-    user gets only its own subjects under `namespace` (libs/bus/auth.py); nats.conf is written
-    into the state directory, readable by its owner only. Without, anyone may connect (the
-    tests' stand-in for a machine's NATS). `tls` (certificate and key files, with `passwords`):
-    clients must use TLS."""
+    """A nats-server with JetStream; `host` is the address it listens on (an emulated cluster's
+    bridge). `passwords`, `namespace`, `tls`: see `nats_argv`."""
     port = port or free_port()
-    store = state_dir / "nats"
-    store.mkdir(parents=True, exist_ok=True)
-    log = open(state_dir / "logs" / "nats.log", "ab")
-    argv = [nats_server_binary()]
-    if passwords is None:
-        argv += ["-a", host, "-p", str(port), "-js", "-sd", str(store)]
-    else:
-        conf = state_dir / "nats.conf"
-        conf.touch(mode=0o600)
-        conf.chmod(0o600)  # it holds every password
-        conf.write_text(nats_config(passwords, namespace or "layercast", listen=f"{host}:{port}",
-                                    store_dir=str(store), tls=tls,
-                                    header="# Written by layercast up: one user per service (libs/bus/auth.py)."))
-        argv += ["-c", str(conf)]
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    argv = nats_argv(state_dir, port, host, passwords, namespace, tls)
+    with open(state_dir / "logs" / "nats.log", "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_port(host, port, 15)
     except ClusterError:
@@ -125,10 +128,17 @@ def start_nats(state_dir: Path, port: int | None = None, host: str = "127.0.0.1"
 
 @dataclass
 class ProcessInfo:
+    """A process of the cluster, with how it was started (so it can be started again the same way)."""
+
     name: str
     pid: int
     health_url: str | None
     log: str
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's environment
+    cwd: str | None = None
+    node: int | None = None  # the emulated node it runs in
+    restarts: int = 0
 
 
 @dataclass
@@ -250,17 +260,20 @@ def start_cluster(spec: ClusterSpec, timeout_s: float = 120.0, emulation: "Emula
         cert, key = env.get("LAYERCAST_NATS_SERVER_CERT"), env.get("LAYERCAST_NATS_SERVER_KEY")
         if bool(cert) != bool(key):
             raise ClusterError("LAYERCAST_NATS_SERVER_CERT and LAYERCAST_NATS_SERVER_KEY go together")
-        proc, nats_url = start_nats(state_dir, host=emulation.host_ip if emulation else "127.0.0.1",
-                                    passwords=passwords, namespace=spec.namespace,
-                                    tls=(cert, key) if cert else None)
+        host, port = emulation.host_ip if emulation else "127.0.0.1", free_port()
+        tls = (cert, key) if cert else None
+        proc, nats_url = start_nats(state_dir, port, host, passwords=passwords, namespace=spec.namespace, tls=tls)
         started.append(proc)
-        procs.append(ProcessInfo("nats", proc.pid, None, str(state_dir / "logs" / "nats.log")))
+        # The argv a restart runs again (nats.conf is already written: the same passwords).
+        argv = nats_argv(state_dir, port, host, passwords, spec.namespace, tls)
+        procs.append(ProcessInfo("nats", proc.pid, None, str(state_dir / "logs" / "nats.log"), argv=argv,
+                                 cwd=str(state_dir)))
         # Tools that watch the cluster (benchmarks, tests) connect as the operator, through the state file.
         operator_url = nats_url.replace("nats://", f"nats://{OPERATOR}:{passwords[OPERATOR]}@", 1)
     database_url = spec.database_url or f"sqlite:///{state_dir / 'registry.db'}"
     state = ClusterState(str(state_dir), f"http://127.0.0.1:{spec.port}", spec.api_key, spec.admin_key, operator_url,
                          database_url, spec.namespace, procs)
-    base_env = {**os.environ, **spec.extra_env, "NATS_URL": nats_url, "LAYERCAST_NAMESPACE": spec.namespace,
+    base_env = {**spec.extra_env, "NATS_URL": nats_url, "LAYERCAST_NAMESPACE": spec.namespace,
                 "PYTHONUNBUFFERED": "1"}
 
     def nats_user(user: str) -> dict[str, str]:
@@ -268,17 +281,14 @@ def start_cluster(spec: ClusterSpec, timeout_s: float = 120.0, emulation: "Emula
 
     def launch(name: str, module: str, args: list[str], env: dict[str, str], health: str | None,
                node: int | None = None) -> None:
-        log_path = state_dir / "logs" / f"{name}.log"
-        log = open(log_path, "ab")
-        argv = [sys.executable, "-m", module, *args]
         user = "worker" if name.startswith("worker-") else name
-        kwargs = dict(stdout=log, stderr=subprocess.STDOUT, env={**base_env, **env, **nats_user(user)}, cwd=state_dir)
-        if node is None:
-            proc = subprocess.Popen(argv, start_new_session=True, **kwargs)
-        else:
-            proc = emulation.popen(node, argv, **kwargs)
+        info = ProcessInfo(name, 0, health, str(state_dir / "logs" / f"{name}.log"),
+                           argv=[sys.executable, "-m", module, *args], env={**base_env, **env, **nats_user(user)},
+                           cwd=str(state_dir), node=node)
+        proc = launch_process(info, emulation)
+        info.pid = proc.pid
         started.append(proc)
-        procs.append(ProcessInfo(name, proc.pid, health, str(log_path)))
+        procs.append(info)
 
     def service(name: str, module: str, args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         port = free_port()
@@ -306,6 +316,58 @@ def start_cluster(spec: ClusterSpec, timeout_s: float = 120.0, emulation: "Emula
         stop_processes(procs)
         raise
     return state
+
+
+def launch_process(p: ProcessInfo, emulation: "EmulatedCluster | None" = None) -> subprocess.Popen:
+    """Start `p` as the launcher does (its argv, environment, directory and emulated node; its
+    output appended to its log, in a session of its own); `p.pid` is not changed."""
+    if not p.argv:
+        raise ClusterError(f"{p.name}: no command recorded (a cluster started by an older launcher?)")
+    with open(p.log, "ab") as log:
+        kwargs = dict(stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **p.env}, cwd=p.cwd)
+        if p.node is None:
+            return subprocess.Popen(p.argv, start_new_session=True, **kwargs)
+        if emulation is None:
+            raise ClusterError(f"{p.name} runs in emulated node {p.node}: restarting it needs the emulation")
+        return emulation.popen(p.node, p.argv, **kwargs)
+
+
+def find_process(state: ClusterState, name: str) -> ProcessInfo:
+    for p in state.processes:
+        if p.name == name:
+            return p
+    raise ClusterError(f"no process {name!r} in the cluster (it has {', '.join(p.name for p in state.processes)})")
+
+
+def kill_process(state: ClusterState, name: str, sig: int = signal.SIGKILL, wait_s: float = 10.0) -> ProcessInfo:
+    """Send `sig` (SIGKILL: as the OOM killer would) to the process `name` and its process group;
+    wait until it is gone. Returns its (old) record."""
+    p = find_process(state, name)
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(p.pid, sig)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while process_alive(p.pid):
+        if time.monotonic() > deadline:
+            raise ClusterError(f"{name} (pid {p.pid}) still runs {wait_s}s after signal {sig}")
+        _reap()
+        time.sleep(0.02)
+    return p
+
+
+def restart_process(state: ClusterState, name: str, emulation: "EmulatedCluster | None" = None,
+                    sig: int = signal.SIGKILL) -> ProcessInfo:
+    """Kill the process `name` (if it runs) and start it again the way the launcher started it;
+    the state (and its file) then names the new pid. Returns the new record."""
+    p = kill_process(state, name, sig)
+    proc = launch_process(p, emulation)
+    p.pid, p.restarts = proc.pid, p.restarts + 1
+    state.save()
+    return p
 
 
 def wait_healthy(state: ClusterState, timeout_s: float) -> None:
@@ -368,5 +430,6 @@ def cluster_status(state_dir: Path) -> dict:
         "nats_url": redact(state.nats_url),
         "database_url": state.database_url,
         "processes": [{"name": p.name, "pid": p.pid, "alive": process_alive(p.pid),
-                       "healthy": process_alive(p.pid) and healthy(p.health_url), "log": p.log} for p in state.processes],
+                       "healthy": process_alive(p.pid) and healthy(p.health_url), "restarts": p.restarts,
+                       "log": p.log} for p in state.processes],
     }

@@ -159,15 +159,14 @@ class RegistryStore:
             self._counted()
         return info
 
-    async def expire_workers(self, older_than: float) -> list[m.WorkerInfo]:
-        """Mark workers whose last heartbeat is older than `older_than` dead, drop
+    async def expire_workers(self, older_than: float, worker_ids: list[str] | None = None) -> list[m.WorkerInfo]:
+        """Mark workers whose last heartbeat is older than `older_than` dead (or, given
+        `worker_ids`, those workers whatever their heartbeat: their process exited), drop
         their replicas and stop their instances. Returns the newly dead workers."""
         async with self.writes.begin() as s:  # runs every second: counted only when someone died
-            rows = (
-                await s.scalars(
-                    select(Worker).where(Worker.state == "alive", Worker.last_heartbeat < to_dt(older_than))
-                )
-            ).all()
+            which = (Worker.worker_id.in_(worker_ids) if worker_ids is not None
+                     else Worker.last_heartbeat < to_dt(older_than))
+            rows = (await s.scalars(select(Worker).where(Worker.state == "alive", which))).all()
             dead = [w.worker_id for w in rows]
             if not dead:
                 return []

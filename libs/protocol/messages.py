@@ -107,6 +107,14 @@ class WorkerExpired(Message):
     last_heartbeat: float
 
 
+class WorkerExited(Message):
+    """The process of a worker exited (its supervisor saw it): dead now, without waiting for
+    its heartbeats to expire."""
+
+    worker_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-]+$")
+    reason: str = ""
+
+
 # --- models -----------------------------------------------------------------------------
 
 

@@ -27,6 +27,9 @@ PREFIX = _namespace()
 # --- registry (the only service with a database) -----------------------------
 # RPC RegisterWorker -> WorkerInfo
 REGISTRY_WORKER_REGISTER = f"{PREFIX}.registry.worker.register"
+# RPC WorkerExited -> CommandAck (a supervisor saw the worker's process exit: dead now, not at its
+# heartbeats' expiry; its instances stop and their requests move at once)
+REGISTRY_WORKER_EXITED = f"{PREFIX}.registry.worker.exited"
 # RPC DeployModel -> ModelInfo
 REGISTRY_MODEL_DEPLOY = f"{PREFIX}.registry.model.deploy"
 # RPC ModelRef -> ModelInfo
@@ -86,6 +89,13 @@ SCALE_REQUEST = f"{PREFIX}.scale.request"
 # bury the request and scale-operation traces); inside a traced operation it still is.
 QUIET_SUBJECTS = (EVENT_HEARTBEAT, METRICS_GATEWAY, METRICS_WORKER, REGISTRY_CLUSTER, REGISTRY_MODEL_LIST,
                   REGISTRY_USAGE_RECORD)
+
+
+def in_namespace(subject: str, namespace: str) -> str:
+    """`subject` (one of the above) in another cluster's namespace (a launcher may run clusters
+    other than its own process's LAYERCAST_NAMESPACE)."""
+    assert subject.startswith(PREFIX + ".")
+    return namespace + subject[len(PREFIX):]
 
 
 # --- per worker ---------------------------------------------------------------

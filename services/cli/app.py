@@ -16,6 +16,7 @@ from rich.table import Table
 
 from libs.admin import admin_request, deploy_model
 from libs.cluster.launcher import ClusterError, ClusterSpec, ClusterState, cluster_status, start_cluster, stop_cluster
+from libs.cluster.supervisor import Supervisor
 from libs.planning.sharing import sharing_setting
 
 app = typer.Typer(help="layercast: serverless LLM inference by block multicast.", no_args_is_help=True)
@@ -489,15 +490,18 @@ def _up(spec: ClusterSpec, state_dir: Path, workers: int, demo: bool, demo_prese
     _print_welcome(state, demo_preset if demo else None)
     if detach:
         return
-    console.print("Press Ctrl-C to stop.")
+    console.print("Press Ctrl-C to stop. A service that exits is restarted (with backoff).")
 
     def _terminate(_sig, _frame):  # SIGTERM (e.g. from a supervisor) stops the cluster like Ctrl-C
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
+    # Supervised as Kubernetes would: a service that dies is started again the same way, after a
+    # capped backoff, and the restart is logged; a worker's exit is told to the registry at once.
+    supervisor = Supervisor(state, emulation, report=lambda line: console.print(
+        f"[yellow]{time.strftime('%H:%M:%S')} {line}[/yellow]"))
     try:
-        while True:
-            time.sleep(1)
+        supervisor.run()
     except KeyboardInterrupt:
         pass
     finally:
@@ -526,9 +530,9 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
     if as_json:
         print(json.dumps(info, indent=2))
         return
-    table = Table("process", "pid", "alive", "healthy", "log")
+    table = Table("process", "pid", "alive", "healthy", "restarts", "log")
     for p in info["processes"]:
         table.add_row(p["name"], str(p["pid"]), "yes" if p["alive"] else "[red]no[/red]",
-                      "yes" if p["healthy"] else "[red]no[/red]", p["log"])
+                      "yes" if p["healthy"] else "[red]no[/red]", str(p["restarts"]), p["log"])
     console.print(f"gateway {info['gateway_url']}  nats {info['nats_url']}  db {info['database_url']}")
     console.print(table)

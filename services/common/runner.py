@@ -21,7 +21,8 @@ class Service:
     name: str = "service"
 
     def __init__(self, nats_url: str | None = None):
-        self.broker = make_broker(nats_url)
+        self.broker = make_broker(nats_url, disconnected_cb=self._nats_disconnected,
+                                  reconnected_cb=self._nats_reconnected)
         self._tasks: set[asyncio.Task] = set()
         self._started = False
 
@@ -78,6 +79,20 @@ class Service:
 
     def healthy(self) -> bool:
         return self._started
+
+    async def _nats_disconnected(self) -> None:
+        log.warning("%s: NATS connection lost; reconnecting", self.name)
+
+    async def _nats_reconnected(self) -> None:
+        log.warning("%s: NATS connection re-established", self.name)
+        try:
+            await self.on_reconnected()
+        except Exception:
+            log.exception("%s: handling the NATS reconnection failed", self.name)
+
+    async def on_reconnected(self) -> None:
+        """The NATS connection came back (after a server restart, say): core NATS messages sent
+        meanwhile are lost; a service that waits for some reacts here."""
 
 
 async def serve(service: Service, health_host: str, health_port: int | None) -> None:

@@ -62,6 +62,8 @@ BUSY_REFUSALS = Counter("layercast_gateway_busy_refusals_total",
 TOKENIZER_RUNS = Counter("layercast_gateway_tokenizer_runs_total",
                          "Requests' tokenizer work (chat templating, tokenizing, decoding ids) by the thread "
                          "it ran in: the event loop's (small inputs only) or a tokenizer thread", ["thread"])
+RECONNECTS = Counter("layercast_gateway_nats_reconnects_total",
+                     "NATS reconnections; each hands over the streams in flight (tokens may have been lost)")
 UNANSWERED = Counter("layercast_gateway_unanswered_dispatches_total",
                      "Requests a worker did not accept or refuse in time (overloaded, or hung); that "
                      "attempt was cancelled there and the request went to another instance or waited",
@@ -177,6 +179,7 @@ class Generation:
         self.prompt_len, self.started, self.span = len(prompt_ids), started, span
         self.handovers = 0
         self.switches = 0  # hand-overs of a pipeline's mode switch or a preemption: planned, not failures
+        self.attempt: int | None = None  # GenerateRequest.attempt of its dispatch now (set by dispatch)
         self.queue: asyncio.Queue[m.TokenEvent] = asyncio.Queue()
         self.choices = [_Choice(entry.tokenizer, stops) for _ in range(sampling.n)]
 
@@ -219,8 +222,12 @@ class Generation:
             if choice.finished or ev.index < choice.expected:
                 continue  # a token the instance handed over from had sent already, or after a stop string
             if ev.index != choice.expected:
-                raise APIError(503, f"token stream lost tokens (got {ev.index}, expected {choice.expected})",
-                               code="stream_broken", retry_after=1)
+                # Tokens were lost on the way (a NATS restart drops what it carried): go on from
+                # the tokens received, on this instance or another, rather than fail the request.
+                why = f"token stream lost tokens (got {ev.index}, expected {choice.expected})"
+                if await self._hand_over(why):
+                    continue
+                raise APIError(503, why, code="stream_broken", retry_after=1)
             choice.expected += 1
             if ev.token_id is not None:
                 choice.token_ids.append(ev.token_id)
@@ -275,8 +282,11 @@ class Generation:
             return False
         self.handovers += 1
         old = self.route
+        # That attempt only: the request may be handed over to the same instance, and this cancel
+        # may reach the worker after the new attempt.
         await self.gw.workers.cancel(old.worker_id, m.CancelRequest(request_id=self.request_id,
-                                                                    instance_id=old.instance_id))
+                                                                    instance_id=old.instance_id,
+                                                                    attempt=self.attempt))
         self.entry.routes.release(old, self.sampling.n)
         while not self.queue.empty():
             self.queue.get_nowait()  # what the old instance sent is stale
@@ -425,6 +435,24 @@ class GatewayService(Service):
             gen.switches += switched
             gen.queue.put_nowait(m.TokenEvent(request_id=rid, index=-1, finished=True, finish_reason="error",
                                               error=why, instance_id=instance_id))
+
+    async def on_reconnected(self) -> None:
+        """NATS came back: tokens sent to this gateway while it was away are lost, and the
+        streams waiting for them would wait out the token timeout. Hand each over now (a planned
+        move: the instance did not fail), and read the registry again (routes dropped while
+        workers did not answer come back)."""
+        moved = 0
+        for rid, gen in list(self.streams.items()):
+            if gen.route is None or gen.finished:
+                continue  # not dispatched yet: its dispatch retries by itself
+            gen.switches += 1
+            gen.queue.put_nowait(m.TokenEvent(request_id=rid, index=-1, finished=True, finish_reason="error",
+                                              error="the NATS connection was re-established",
+                                              instance_id=gen.route.instance_id))
+            moved += 1
+        RECONNECTS.inc()
+        log.warning("NATS reconnected: handing over %d in-flight streams (of %d requests)", moved, len(self.streams))
+        self.spawn(self.resync())
 
     def _streams_on(self, route: Route) -> list[tuple[str, Generation]]:
         """The requests streaming from `route` now (a copy: handing over changes the table)."""
@@ -642,6 +670,8 @@ class GatewayService(Service):
                 span = trace.get_current_span()
                 span.set_attribute("layercast.instance", route.instance_id)
                 span.set_attribute("layercast.worker", route.worker_id)
+                if (gen := self.streams.get(request_id)) is not None:
+                    gen.attempt = req.attempt  # a hand-over cancels exactly this attempt
                 return route
         raise APIError(503, "no instance accepted the request", code="model_unavailable", retry_after=1)
 

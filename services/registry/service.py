@@ -20,6 +20,8 @@ from services.common.runner import Service
 WORKERS = Gauge("layercast_registry_workers", "Registered workers with a live heartbeat")
 INSTANCES = Gauge("layercast_registry_instances", "Live instances per model and state", ["model", "state"])
 EXPIRED = Counter("layercast_registry_worker_expirations_total", "Workers declared dead (heartbeats stopped)")
+EXITED = Counter("layercast_registry_worker_exits_total",
+                 "Workers declared dead because their supervisor saw their process exit")
 
 log = logging.getLogger(__name__)
 
@@ -77,18 +79,24 @@ class RegistryService(Service):
         for (model, state), n in counts.items():
             INSTANCES.labels(model, state).set(n)
 
-    async def expire_once(self) -> list[m.WorkerInfo]:
-        dead = await self.store.expire_workers(time.time() - self.heartbeat_ttl_s)
+    async def expire_once(self, exited: m.WorkerExited | None = None) -> list[m.WorkerInfo]:
+        """Declare dead the workers whose heartbeats stopped, or the one whose process `exited`."""
+        dead = await self.store.expire_workers(time.time() - self.heartbeat_ttl_s,
+                                               None if exited is None else [exited.worker_id])
         if dead:
-            EXPIRED.inc(len(dead))
+            (EXPIRED if exited is None else EXITED).inc(len(dead))
             failed = await self.store.stop_instances_on([w.worker_id for w in dead])
             for w in dead:
-                log.warning("worker %s expired (no heartbeat for %.1fs)", w.worker_id, self.heartbeat_ttl_s)
+                if exited is None:
+                    log.warning("worker %s expired (no heartbeat for %.1fs)", w.worker_id, self.heartbeat_ttl_s)
+                else:
+                    log.warning("worker %s exited (%s): dead", w.worker_id, exited.reason or "its supervisor says")
                 await publish(self.broker, subjects.EVENT_WORKER_EXPIRED,
                               m.WorkerExpired(worker_id=w.worker_id, last_heartbeat=w.last_heartbeat))
             for inst in failed:
                 await publish(self.broker, subjects.EVENT_INSTANCE,
-                              m.InstanceEvent(instance=inst, reason="worker expired"))
+                              m.InstanceEvent(instance=inst, reason="worker expired" if exited is None
+                                              else "worker exited"))
         return dead
 
     def _subscribe(self) -> None:
@@ -100,6 +108,12 @@ class RegistryService(Service):
             info = await self.store.upsert_worker(req)
             log.info("worker %s registered at %s", req.worker_id, req.data_address)
             return info
+
+        @b.subscriber(subjects.REGISTRY_WORKER_EXITED)
+        @rpc(m.WorkerExited)
+        async def exited(req: m.WorkerExited) -> m.CommandAck:
+            dead = await self.expire_once(req)
+            return m.CommandAck(accepted=bool(dead), detail="dead" if dead else "not a live worker")
 
         @b.subscriber(subjects.EVENT_HEARTBEAT)
         @on_event(m.Heartbeat)

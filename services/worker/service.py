@@ -700,6 +700,11 @@ class WorkerService(Service):
                 old.span.end()  # handed over from another instance here: that run is over
                 if old.instance_id != req.instance_id:  # (on the same one: it was admitted again above)
                     self.loading.request_ended(old.instance_id, req.request_id)
+                elif old.submitted:
+                    # Handed over to the instance it runs on (its tokens were lost on the way, a
+                    # NATS restart): the engine drops the old run before it takes this one (the
+                    # engine thread reads its inbox in order), whenever the gateway's cancel comes.
+                    self.runtime.cancel(req.instance_id, req.request_id)
             registered = _Request(req.instance_id, req.model, inst.info.mode, req.reply_subject, span,
                                   next_index={c: len(ids) for c, ids in choices.items()}, admitted=admitted,
                                   attempt=req.attempt)

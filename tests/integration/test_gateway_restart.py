@@ -7,7 +7,6 @@ Real processes: NATS, Postgres registry, planner, load-monitor, a worker and the
 import os
 import re
 import signal
-import subprocess
 import threading
 
 import httpx
@@ -15,7 +14,7 @@ import openai
 import pytest
 
 from conftest import TEST_ADMIN_KEY, TEST_API_KEY, running_cluster, wait_for
-from libs.cluster.launcher import ProcessInfo, process_alive
+from libs.cluster.launcher import find_process, restart_process
 from test_serving_e2e import assert_openai_error
 
 pytestmark = pytest.mark.slow
@@ -33,23 +32,6 @@ def cluster(tmp_path_factory, nats_url, postgres_server_url, tiny_checkpoint):
                          admin_key=TEST_ADMIN_KEY, workers=1, nats_url=nats_url,
                          namespace="lcr" + os.urandom(4).hex(), heartbeat_ttl_s=60.0) as state:
         yield state
-
-
-def proc(cluster, name: str) -> ProcessInfo:
-    return next(p for p in cluster.processes if p.name == name)
-
-
-def restart_gateway(cluster) -> None:
-    """SIGKILL the gateway and start it again exactly as it was (argv, environment, directory)."""
-    old = proc(cluster, "gateway")
-    argv = open(f"/proc/{old.pid}/cmdline", "rb").read().decode().split("\0")[:-1]
-    env = dict(kv.split("=", 1) for kv in open(f"/proc/{old.pid}/environ", "rb").read().decode().split("\0") if kv)
-    cwd = os.readlink(f"/proc/{old.pid}/cwd")
-    os.kill(old.pid, signal.SIGKILL)
-    wait_for(lambda: not process_alive(old.pid), 10, "the killed gateway to be gone")
-    with open(old.log, "ab") as log:
-        new = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    cluster.processes[cluster.processes.index(old)] = ProcessInfo("gateway", new.pid, old.health_url, old.log)
 
 
 def answers(client: httpx.Client, path: str) -> int | None:
@@ -72,10 +54,10 @@ def test_a_restarted_gateway_answers_503_until_it_has_read_the_registry_and_the_
     http = httpx.Client(base_url=cluster.gateway_url, headers={"Authorization": f"Bearer {TEST_API_KEY}"},
                         timeout=60)
     assert http.post("/v1/chat/completions", json=CHAT).status_code == 200  # served before the restart
-    registry = proc(cluster, "registry")
+    registry = find_process(cluster, "registry")
     os.kill(registry.pid, signal.SIGSTOP)  # the registry does not answer: the restarted gateway cannot read it
     try:
-        restart_gateway(cluster)
+        restart_process(cluster, "gateway")  # SIGKILL, then started again as the launcher started it
         wait_for(lambda: answers(http, "/livez") == 200, 60, "the restarted gateway to be live")
         ready = http.get("/health")
         assert ready.status_code == 503 and ready.json() == {"status": "starting"}  # live, not ready
