@@ -85,7 +85,8 @@ def permissions(prefix: str = subjects.PREFIX) -> dict[str, Rights | None]:
                      s.REGISTRY_MODEL_LIST, s.REGISTRY_MODEL_DELETE, s.REGISTRY_CLUSTER,
                      s.REGISTRY_INSTANCE_CREATE, s.REGISTRY_SCALEOP_RECORD, s.REGISTRY_KEY_CREATE,
                      s.REGISTRY_KEY_LIST, s.REGISTRY_KEY_REVOKE, s.REGISTRY_KEY_LOOKUP, s.REGISTRY_USAGE_RECORD,
-                     s.REGISTRY_USAGE_GET, s.REGISTRY_PROFILE_PUT, s.REGISTRY_PROFILE_GET)
+                     s.REGISTRY_USAGE_GET, s.REGISTRY_PROFILE_PUT, s.REGISTRY_PROFILE_GET,
+                     s.REGISTRY_WORKER_EXITED)  # the last one: from the launcher's supervisor (operator)
     return {
         "registry": Rights(
             publish=ns(s.EVENT_MODEL, s.EVENT_WORKER_EXPIRED, s.EVENT_CLUSTER_CHANGED, s.EVENT_INSTANCE),
