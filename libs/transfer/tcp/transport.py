@@ -27,6 +27,7 @@ from libs.transfer.base import BlockSlot, Transport, TransferError
 log = logging.getLogger(__name__)
 
 DRAIN_CHUNK = 1 << 20
+MESSAGE_CHUNK = 1 << 20  # a message's payload is allocated in pieces of this as it arrives
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux value; older Pythons lack the name
 DEFAULT_UNSENT_LIMIT = 128 << 10
 DEFAULT_CONGESTION_CONTROL = "cubic"  # for bulk connections; see TcpTransport._set_congestion_control
@@ -71,6 +72,22 @@ def _recv_into(sock: socket.socket, view: memoryview, first: Callable[[], None] 
         if got == 0 and first is not None:
             first()
         got += k
+
+
+def _recv_payload(sock: socket.socket, length: int) -> bytes:
+    """A message's `length` bytes, allocated as they arrive: a header that announces a large
+    message and never sends it (a broken or hostile peer) costs no more memory than was sent."""
+    if length <= MESSAGE_CHUNK:
+        buf = bytearray(length)
+        _recv_into(sock, memoryview(buf))
+        return bytes(buf)
+    parts, got = [], 0
+    while got < length:
+        part = bytearray(min(MESSAGE_CHUNK, length - got))
+        _recv_into(sock, memoryview(part))
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
 
 
 def _send_all(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
@@ -234,7 +251,7 @@ class TcpTransport(Transport):
             if fixed is None:
                 return
             conn_class, n = f.decode_hello_fixed(fixed)
-            src = _recv_header(sock, n).decode()
+            src = f.decode_name(_recv_header(sock, n), "node id")
             if conn_class == f.ConnClass.MESSAGE:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while True:
@@ -246,7 +263,7 @@ class TcpTransport(Transport):
                     self._receive_data(sock, src)
                 else:
                     self._receive_message(sock, src)
-        except (OSError, ConnectionError, f.FrameError, TransferError, UnicodeDecodeError) as e:
+        except (OSError, ConnectionError, f.FrameError, TransferError) as e:
             if not self._closed:
                 log.warning("%s: data-plane connection from %s ended: %s", self.node_id, src, e)
         finally:
@@ -259,7 +276,7 @@ class TcpTransport(Transport):
 
     def _receive_data(self, sock: socket.socket, src: str) -> None:
         op_len, block, offset, length, total = f.decode_data_fixed(_recv_header(sock, f.DATA_FIXED))
-        op_id = _recv_header(sock, op_len).decode()
+        op_id = f.decode_name(_recv_header(sock, op_len), "op id")
         slot = self.expected_slot(op_id, block, src, self.unknown_op_wait_s)
         if slot is None or slot.error is not None:
             # The operation already ended or failed here: drop the bytes to keep the stream in frame.
@@ -290,10 +307,8 @@ class TcpTransport(Transport):
 
     def _receive_message(self, sock: socket.socket, src: str) -> None:
         ch_len, length = f.decode_message_fixed(_recv_header(sock, f.MESSAGE_FIXED))
-        channel = _recv_header(sock, ch_len).decode()
-        payload = bytearray(length)
-        _recv_into(sock, memoryview(payload))
-        self.dispatch(src, channel, bytes(payload))
+        channel = f.decode_name(_recv_header(sock, ch_len), "channel")
+        self.dispatch(src, channel, _recv_payload(sock, length))
 
     @staticmethod
     def _drain(sock: socket.socket, length: int) -> None:
