@@ -219,3 +219,25 @@ def test_control_frames_nested_too_deep_for_the_parser_are_a_protocol_error():
         codec.FrameAssembler().feed(bytes([codec.FRAME_CONTROL, 0]) + b"[" * 100_000 + b"]" * 100_000)
     with pytest.raises(codec.RdmaProtocolError):
         codec.validate_control({"t": ["offer"]})  # unhashable: it was a TypeError
+
+
+# --- the data plane's own messages: grants and aborts --------------------------------------------------
+
+json_bytes = st.one_of(
+    st.binary(max_size=64),
+    st.fixed_dictionaries({}, optional={"op_id": json_values, "block": st.one_of(json_values, st.just(1e400)),
+                                        "reason": json_values}).map(lambda d: json.dumps(d).encode()),
+    st.integers(1, 3000).map(lambda depth: b"[" * depth + b"]" * depth))
+
+
+@FUZZ_FEW
+@given(json_bytes)
+def test_a_grant_or_abort_from_a_peer_is_taken_or_dropped_never_raises(receiver, payload):
+    transport, _ = receiver
+    transport._on_grant("peer", payload)
+    transport._on_abort("peer", payload)
+
+
+@pytest.mark.parametrize("payload", [b'{"op_id": "op", "block": Infinity}', b"[" * 100_000 + b"]" * 100_000])
+def test_a_grant_with_an_infinite_block_or_nested_too_deep_is_dropped(receiver, payload):
+    receiver[0]._on_grant("peer", payload)
