@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,10 @@ SAFETENSORS_DTYPES = {
     "U8": "uint8",
     "BOOL": "bool",
 }
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint index that does not parse or does not describe a consistent block checkpoint."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -124,12 +128,31 @@ class CheckpointIndex:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CheckpointIndex:
+        """Parse and check an index: every field of its type, the blocks numbered 0..n-1 with their
+        layers inside the model, each tensor inside its block and as large as its shape and dtype
+        say; a CheckpointFormatError otherwise."""
+        if not isinstance(d, dict):
+            raise CheckpointFormatError(f"a checkpoint index is a JSON object, got {type(d).__name__}")
         version = d.get("format_version")
         if version != FORMAT_VERSION:
-            raise ValueError(f"unsupported block checkpoint format_version {version!r} (expected {FORMAT_VERSION})")
+            raise CheckpointFormatError(
+                f"unsupported block checkpoint format_version {version!r} (expected {FORMAT_VERSION})")
+        known = {f.name for f in fields(cls) if f.init}
+        _fields_of(d, known, {"arch", "model_type", "n_layers", "config", "blocks", "tensors"}, "index")
         d = dict(d)
-        d["blocks"] = [BlockEntry(**b) for b in d["blocks"]]
-        d["tensors"] = [TensorEntry(**t) for t in d["tensors"]]
+        for name in ("arch", "model_type", "data_file"):
+            _typed(d, name, str, "index")
+        n_layers = _count(d, "n_layers", "index")
+        for name in ("block_align", "tensor_align"):
+            if name in d and _count(d, name, "index") < 1:
+                raise CheckpointFormatError(f"index: {name} must be positive")
+        data_file = d.get("data_file", DATA_FILE)
+        if not data_file or "/" in data_file or "\\" in data_file or data_file in (".", ".."):
+            raise CheckpointFormatError(f"index: data_file {data_file!r} is not a file name in the checkpoint folder")
+        _typed(d, "config", dict, "index")
+        blocks = [_block(b, i, n_layers) for i, b in enumerate(_typed(d, "blocks", list, "index"))]
+        d["blocks"] = blocks
+        d["tensors"] = [_tensor(t, i, blocks) for i, t in enumerate(_typed(d, "tensors", list, "index"))]
         return cls(**d)
 
     def save(self, ckpt_dir: str | os.PathLike) -> Path:
@@ -142,8 +165,97 @@ class CheckpointIndex:
 
     @classmethod
     def load(cls, ckpt_dir: str | os.PathLike) -> CheckpointIndex:
+        """The folder's index, checked (from_dict); where the folder holds its data file too, every
+        block must lie inside it (no read or buffer of a size the file does not have)."""
         path = Path(ckpt_dir) / INDEX_FILE
-        return cls.from_dict(json.loads(path.read_text()))
+        raw = path.read_bytes()
+        try:
+            d = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep
+            raise CheckpointFormatError(f"{path} is not JSON: {e}") from None
+        index = cls.from_dict(d)
+        try:
+            size = (Path(ckpt_dir) / index.data_file).stat().st_size
+        except FileNotFoundError:
+            return index  # an index alone (e.g. the gateway reads the config and tokenizer only)
+        for b in index.blocks:
+            if b.offset + b.nbytes > size:
+                raise CheckpointFormatError(f"{path}: block {b.id} ends at byte {b.offset + b.nbytes}, past the "
+                                            f"end of {index.data_file} ({size} bytes)")
+        return index
+
+
+def _typed(d: dict, name: str, kind: type, what: str) -> Any:
+    value = d.get(name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise CheckpointFormatError(f"{what}: {name} must be {kind.__name__}, got {value!r:.80}")
+    return value
+
+
+def _count(d: dict, name: str, what: str) -> int:
+    value = _typed(d, name, int, what)
+    if value < 0:
+        raise CheckpointFormatError(f"{what}: {name} must not be negative, got {value}")
+    return value
+
+
+def _fields_of(d: dict, known: set[str], required: set[str], what: str) -> None:
+    if missing := required - set(d):
+        raise CheckpointFormatError(f"{what}: missing {sorted(missing)}")
+    if unknown := set(d) - known:
+        raise CheckpointFormatError(f"{what}: unknown fields {sorted(unknown)[:5]}")
+
+
+_BLOCK_FIELDS = {"id", "offset", "nbytes", "checksum", "layer_start", "layer_end", "has_embedding", "has_head"}
+_TENSOR_FIELDS = {"name", "block", "offset_in_block", "nbytes", "shape", "dtype"}
+
+
+def _block(b: Any, i: int, n_layers: int) -> BlockEntry:
+    what = f"block {i}"
+    if not isinstance(b, dict):
+        raise CheckpointFormatError(f"{what} is not an object")
+    _fields_of(b, _BLOCK_FIELDS, _BLOCK_FIELDS, what)
+    if _count(b, "id", what) != i:
+        raise CheckpointFormatError(f"{what}: id {b['id']}, blocks are numbered 0..n-1 in order")
+    for name in ("offset", "nbytes"):
+        _count(b, name, what)
+    checksum = _typed(b, "checksum", str, what)
+    if len(checksum) != 8 or any(c not in "0123456789abcdef" for c in checksum):
+        raise CheckpointFormatError(f"{what}: checksum {checksum!r:.20} is not 8 hex digits")
+    if not 0 <= _count(b, "layer_start", what) <= _count(b, "layer_end", what) <= n_layers:
+        raise CheckpointFormatError(f"{what}: layers [{b['layer_start']}, {b['layer_end']}) are not inside the "
+                                    f"model's {n_layers}")
+    for name in ("has_embedding", "has_head"):
+        _typed(b, name, bool, what)
+    return BlockEntry(**b)
+
+
+def _tensor(t: Any, i: int, blocks: list[BlockEntry]) -> TensorEntry:
+    what = f"tensor {i}"
+    if not isinstance(t, dict):
+        raise CheckpointFormatError(f"{what} is not an object")
+    _fields_of(t, _TENSOR_FIELDS, _TENSOR_FIELDS, what)
+    _typed(t, "name", str, what)
+    block = _count(t, "block", what)
+    if block >= len(blocks):
+        raise CheckpointFormatError(f"{what}: block {block} of {len(blocks)}")
+    start, nbytes = _count(t, "offset_in_block", what), _count(t, "nbytes", what)
+    if start + nbytes > blocks[block].nbytes:
+        raise CheckpointFormatError(f"{what}: bytes [{start}, {start + nbytes}) are not inside block {block} "
+                                    f"({blocks[block].nbytes} bytes)")
+    shape = _typed(t, "shape", list, what)
+    if not all(type(n) is int and n >= 0 for n in shape):
+        raise CheckpointFormatError(f"{what}: shape {shape!r:.80} is not a list of sizes")
+    try:
+        itemsize = torch_dtype(_typed(t, "dtype", str, what)).itemsize
+    except ValueError as e:
+        raise CheckpointFormatError(f"{what}: {e}") from None
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel * itemsize != nbytes:
+        raise CheckpointFormatError(f"{what}: shape {shape} of {t['dtype']} is {numel * itemsize} bytes, not {nbytes}")
+    return TensorEntry(**t)
 
 
 def is_block_checkpoint(ckpt_dir: str | os.PathLike) -> bool:

@@ -137,25 +137,53 @@ def pack(header: dict, tensor: torch.Tensor | None = None) -> bytes:
     if tensor is not None:
         t = tensor.detach().to("cpu").contiguous()
         header = {**header, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        # (flat first: a 0-d tensor of a multi-byte dtype has no byte view)
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
     head = json.dumps(header).encode()
     return _LEN.pack(len(head)) + head + raw
 
 
+class StageMessageError(ValueError):
+    """A stage call or reply whose bytes do not follow `pack`'s format."""
+
+
+# What a stage sends: token ids, hidden states, logits and KV in the model's dtypes, a count.
+WIRE_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool)}
+MAX_DIMS = 8
+
+
 def unpack(payload: bytes) -> tuple[dict, torch.Tensor | None]:
+    """`pack`'s header and tensor; a StageMessageError for bytes that are not one. The tensor is a
+    view of the payload's copy: its shape must account for exactly the bytes that came."""
     if len(payload) < _LEN.size:
-        raise ValueError("stage message too short")
+        raise StageMessageError("stage message too short")
     (n,) = _LEN.unpack_from(payload)
-    header = json.loads(payload[_LEN.size:_LEN.size + n])
+    if n > len(payload) - _LEN.size:
+        raise StageMessageError(f"stage message header of {n} bytes, {len(payload) - _LEN.size} sent")
+    try:
+        header = json.loads(payload[_LEN.size:_LEN.size + n])
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested too deep
+        raise StageMessageError(f"stage message header is not JSON: {e}") from None
     if not isinstance(header, dict):
-        raise ValueError("stage message header is not an object")
+        raise StageMessageError("stage message header is not an object")
     if "dtype" not in header:
         return header, None
-    dtype = getattr(torch, str(header["dtype"]), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {header['dtype']!r}")
-    shape = [int(d) for d in header["shape"]]
+    dtype = WIRE_DTYPES.get(header["dtype"]) if isinstance(header["dtype"], str) else None
+    if dtype is None:
+        raise StageMessageError(f"unknown dtype {header['dtype']!r}")
+    shape = header.get("shape")
+    if (not isinstance(shape, list) or len(shape) > MAX_DIMS
+            or not all(type(d) is int and d >= 0 for d in shape)):  # (bool is an int: type(), not isinstance)
+        raise StageMessageError(f"shape {shape!r} is not a list of at most {MAX_DIMS} sizes")
     data = bytearray(payload[_LEN.size + n:])
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * dtype.itemsize != len(data):
+        raise StageMessageError(f"a {dtype} tensor of shape {shape} is {numel * dtype.itemsize} bytes, "
+                                f"{len(data)} sent")
     t = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     return header, t.view(dtype).reshape(shape)
 
@@ -339,7 +367,7 @@ class _Replies:
     def _on_reply(self, src: str, payload: bytes) -> None:
         try:
             header, tensor = unpack(payload)
-        except ValueError as e:
+        except StageMessageError as e:
             log.warning("malformed stage reply from %s dropped: %s", src, e)
             return
         with self._lock:

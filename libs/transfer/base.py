@@ -171,6 +171,9 @@ MessageHandler = Callable[[str, bytes], None]  # (sender node id, payload)
 ABORT_CHANNEL = "layercast.abort"  # reserved: a sender gives up on an operation; its receivers fail it at once
 GRANT_CHANNEL = "layercast.grant"  # reserved: a receiver is ready for a block (receiver-driven flow control)
 RESERVED_CHANNELS = (ABORT_CHANNEL, GRANT_CHANNEL)
+# What parsing a grant or an abort from a peer can raise: not JSON (or not UTF-8), nested too deep
+# for the parser, a field missing or of the wrong type, a block number that is infinite.
+MALFORMED = (ValueError, KeyError, TypeError, RecursionError, OverflowError)
 
 
 class Transport(ABC):
@@ -351,7 +354,7 @@ class Transport(ABC):
         try:
             msg = json.loads(payload)
             key = (str(msg["op_id"]), int(msg["block"]), src)
-        except (ValueError, KeyError, TypeError):
+        except MALFORMED:
             log.warning("%s: malformed grant from %s dropped", self.node_id, src)
             return
         with self._grants_changed:
@@ -377,7 +380,7 @@ class Transport(ABC):
         try:
             msg = json.loads(payload)
             op_id, reason = str(msg["op_id"]), str(msg["reason"])
-        except (ValueError, KeyError, TypeError):
+        except MALFORMED:
             log.warning("%s: malformed abort from %s dropped", self.node_id, src)
             return
         self.fail_from(src, TransferError(f"{src} aborted op {op_id}: {reason}"), op_id)

@@ -265,7 +265,8 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_r: Request, e: StarletteHTTPException) -> JSONResponse:
-        return APIError(e.status_code, str(e.detail)).response()
+        # Starlette's own headers ride along: a 405's Allow (RFC 9110 requires it) names the methods.
+        return APIError(e.status_code, str(e.detail), headers=dict(e.headers or {})).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_r: Request, e: Exception) -> JSONResponse:

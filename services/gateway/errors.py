@@ -7,6 +7,7 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",  # a method the route does not take (its Allow header names those it does)
     408: "invalid_request_error",  # the request did not arrive in time (services/gateway/server.py)
     409: "conflict_error",
     413: "invalid_request_error",

@@ -236,7 +236,7 @@ def validate_control(msg: Any) -> dict:
     if not isinstance(msg, dict):
         raise RdmaProtocolError(f"control message must be a dict, got {type(msg).__name__}")
     t = msg.get("t")
-    if t not in _CONTROL_SCHEMA:
+    if not isinstance(t, str) or t not in _CONTROL_SCHEMA:  # (a list or dict is not hashable)
         raise RdmaProtocolError(f"unknown control message type {t!r}")
     what = f"control message {t!r}"
     for name, kind in _CONTROL_SCHEMA[t].items():
@@ -303,7 +303,7 @@ class FrameAssembler:
                 raise RdmaProtocolError("control frames are never fragmented")
             try:
                 msg = json.loads(body)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # (nested too deep for the parser)
                 raise RdmaProtocolError(f"control frame is not JSON: {exc}") from None
             return "control", validate_control(msg)
         if kind == FRAME_MESSAGE:

@@ -61,6 +61,14 @@ def _name(value: str, what: str) -> bytes:
     return raw
 
 
+def decode_name(raw: bytes, what: str) -> str:
+    """A node id, op id or channel as received: UTF-8, else a FrameError."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError as e:
+        raise FrameError(f"{what} is not UTF-8: {e}") from None
+
+
 def encode_hello(conn_class: ConnClass, node_id: str) -> bytes:
     raw = _name(node_id, "node id")
     return _HELLO.pack(MAGIC, int(conn_class), len(raw)) + raw
@@ -69,9 +77,15 @@ def encode_hello(conn_class: ConnClass, node_id: str) -> bytes:
 HELLO_FIXED = _HELLO.size
 
 
+def _unpack(s: struct.Struct, buf: bytes, what: str) -> tuple:
+    if len(buf) != s.size:
+        raise FrameError(f"{what} of {len(buf)} bytes, expected {s.size}")
+    return s.unpack(buf)
+
+
 def decode_hello_fixed(buf: bytes) -> tuple[ConnClass, int]:
     """The fixed part of a hello: (connection class, length of the node id that follows)."""
-    magic, cls, n = _HELLO.unpack(buf)
+    magic, cls, n = _unpack(_HELLO, buf, "hello")
     if magic != MAGIC:
         raise FrameError(f"not a layercast data-plane connection (magic {magic!r})")
     try:
@@ -103,7 +117,7 @@ MESSAGE_FIXED = _MSG.size
 
 
 def decode_kind(buf: bytes) -> FrameKind:
-    (k,) = _KIND.unpack(buf)
+    (k,) = _unpack(_KIND, buf, "frame kind")
     try:
         return FrameKind(k)
     except ValueError:
@@ -112,7 +126,7 @@ def decode_kind(buf: bytes) -> FrameKind:
 
 def decode_data_fixed(buf: bytes) -> tuple[int, int, int, int, int]:
     """(op id length, block, offset, length, block size) of a data frame, validated."""
-    op_len, block, offset, length, total = _DATA.unpack(buf)
+    op_len, block, offset, length, total = _unpack(_DATA, buf, "data frame header")
     if not 0 < op_len <= MAX_NAME:
         raise FrameError(f"op id length {op_len} out of range")
     if length <= 0 or offset + length > total:
@@ -122,7 +136,7 @@ def decode_data_fixed(buf: bytes) -> tuple[int, int, int, int, int]:
 
 def decode_message_fixed(buf: bytes) -> tuple[int, int]:
     """(channel length, payload length) of a message frame, validated."""
-    ch_len, length = _MSG.unpack(buf)
+    ch_len, length = _unpack(_MSG, buf, "message frame header")
     if not 0 < ch_len <= MAX_NAME:
         raise FrameError(f"channel length {ch_len} out of range")
     if length > MAX_MESSAGE:

@@ -35,6 +35,7 @@ from libs.transfer.base import ABORT_CHANNEL, BlockSlot, Transport, TransferErro
 log = logging.getLogger(__name__)
 
 DRAIN_CHUNK = 1 << 20
+MESSAGE_CHUNK = 1 << 20  # a message's payload is allocated in pieces of this as it arrives
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux value; older Pythons lack the name
 DEFAULT_UNSENT_LIMIT = 128 << 10
 DEFAULT_CONGESTION_CONTROL = "cubic"  # for bulk connections; see TcpTransport._set_congestion_control
@@ -91,6 +92,22 @@ def _normal_ip(ip: str) -> str:
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         addr = addr.ipv4_mapped
     return addr.compressed
+
+
+def _recv_payload(sock: socket.socket, length: int) -> bytes:
+    """A message's `length` bytes, allocated as they arrive: a header that announces a large
+    message and never sends it (a broken or hostile peer) costs no more memory than was sent."""
+    if length <= MESSAGE_CHUNK:
+        buf = bytearray(length)
+        _recv_into(sock, memoryview(buf))
+        return bytes(buf)
+    parts, got = [], 0
+    while got < length:
+        part = bytearray(min(MESSAGE_CHUNK, length - got))
+        _recv_into(sock, memoryview(part))
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
 
 
 def _send_all(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
@@ -288,7 +305,7 @@ class TcpTransport(Transport):
             if fixed is None:
                 return
             conn_class, n = f.decode_hello_fixed(fixed)
-            src = _recv_header(sock, n).decode()
+            src = f.decode_name(_recv_header(sock, n), "node id")
             accept = self._from_plan_address(remote_ip)
             if conn_class == f.ConnClass.BULK and not self.named_source(src, accept, self.unknown_op_wait_s):
                 self.refused_connections += 1
@@ -307,7 +324,7 @@ class TcpTransport(Transport):
                     self._receive_data(sock, src, accept)
                 else:
                     self._receive_message(sock, src, accept)
-        except (OSError, ConnectionError, f.FrameError, TransferError, UnicodeDecodeError) as e:
+        except (OSError, ConnectionError, f.FrameError, TransferError) as e:
             if not self._closed:
                 log.warning("%s: data-plane connection from %s ended: %s", self.node_id, src, e)
         finally:
@@ -321,7 +338,7 @@ class TcpTransport(Transport):
 
     def _receive_data(self, sock: socket.socket, src: str, accept=None) -> None:
         op_len, block, offset, length, total = f.decode_data_fixed(_recv_header(sock, f.DATA_FIXED))
-        op_id = _recv_header(sock, op_len).decode()
+        op_id = f.decode_name(_recv_header(sock, op_len), "op id")
         slot = self.expected_slot(op_id, block, src, self.unknown_op_wait_s, accept)
         if slot is None or slot.error is not None:
             # The operation already ended or failed here: drop the bytes to keep the stream in frame.
@@ -352,14 +369,13 @@ class TcpTransport(Transport):
 
     def _receive_message(self, sock: socket.socket, src: str, accept=None) -> None:
         ch_len, length = f.decode_message_fixed(_recv_header(sock, f.MESSAGE_FIXED))
-        channel = _recv_header(sock, ch_len).decode()
-        payload = bytearray(length)
-        _recv_into(sock, memoryview(payload))
-        if channel == ABORT_CHANNEL and accept is not None and not self._abort_from_plan(src, bytes(payload), accept):
+        channel = f.decode_name(_recv_header(sock, ch_len), "channel")
+        payload = _recv_payload(sock, length)
+        if channel == ABORT_CHANNEL and accept is not None and not self._abort_from_plan(src, payload, accept):
             log.warning("%s: dropped an abort claiming to be from %s, sent from elsewhere than its address in "
                         "the plan", self.node_id, src)
             return
-        self.dispatch(src, channel, bytes(payload))
+        self.dispatch(src, channel, payload)
 
     def _abort_from_plan(self, src: str, payload: bytes, accept) -> bool:
         """Whether an abort comes from where the op's plan says `src` is (it fails that op's blocks)."""

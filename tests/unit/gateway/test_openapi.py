@@ -113,3 +113,11 @@ def test_a_models_list_and_a_model_match_their_declared_schemas(client, doc):
     check_declared(doc, "/tokenize", "POST", client.post("/tokenize", json={"model": "tiny", "prompt": "hi"},
                                                          headers=AUTH))
     check_declared(doc, "/health", "GET", client.get("/health"))
+
+
+def test_a_method_a_route_does_not_take_is_a_405_naming_those_it_does(client):
+    """RFC 9110: a 405 carries Allow (Schemathesis's unsupported_method check found it missing)."""
+    r = client.request("TRACE", "/v1/models", headers=AUTH)
+    assert r.status_code == 405 and r.headers["allow"] == "GET", (r.status_code, r.headers)
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert client.post("/livez").headers["allow"] == "GET"
