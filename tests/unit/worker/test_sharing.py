@@ -69,7 +69,7 @@ def test_every_sharing_setting_has_a_worker_strategy():
 
 
 def test_an_unknown_sharing_name_is_a_clear_error():
-    with pytest.raises(ValueError, match="sharing must be one of exclusive, mesh, got 'spread'"):
+    with pytest.raises(ValueError, match="sharing must be one of exclusive, mesh, dedicated, got 'spread'"):
         make_sharing(_Config(sharing="spread"), _Ports().ports())
 
 
@@ -149,7 +149,7 @@ async def test_mesh_releases_a_charged_instance_with_its_engine_and_only_detache
 
 
 def test_the_worker_takes_the_strategy_of_its_sharing_setting():
-    with pytest.raises(ValueError, match="sharing must be one of exclusive, mesh, got 'spread'"):
+    with pytest.raises(ValueError, match="sharing must be one of exclusive, mesh, dedicated, got 'spread'"):
         WorkerService(WorkerConfig("w-spread", sharing="spread"))
     assert isinstance(WorkerService(WorkerConfig("w-exclusive")).sharing, ExclusiveSharing)
     mesh = WorkerService(WorkerConfig("w-mesh", sharing="mesh", memory_capacity_bytes=1 << 30)).sharing
