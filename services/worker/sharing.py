@@ -5,7 +5,8 @@ The worker calls its strategy where sharing matters, and never asks which one it
 load's engine is sized and charged (`charge_load`), an attached instance is taken in
 (`attached`), a loaded one profiled (`loaded`), a request admitted (`admit`, then `fit_kv` once
 registered) and ended (`request_ended`), an instance's engine released as it stops
-(`release`), room made for a load (`make_room`, before it starts), plus the background refreshes the strategy runs (`periodic`).
+(`release`), room made for a load (`make_room`, before it starts), plus the background
+refreshes the strategy runs (`periodic`).
 
 - ``exclusive``: engines step in turn on fixed KV caches; every request is admitted; nothing
   is charged.
