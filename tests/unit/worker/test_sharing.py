@@ -10,7 +10,16 @@ from libs.planning.sharing import SHARINGS
 from libs.protocol import messages as m
 from services.worker.loading import Instance
 from services.worker.service import WorkerConfig, WorkerService
-from services.worker.sharing import STRATEGIES, EngineSizing, ExclusiveSharing, MeshSharing, WorkerPorts, make_sharing
+from services.worker.sharing import (
+    EVICT_DRAIN_TIMEOUT_S,
+    STRATEGIES,
+    DedicatedSharing,
+    EngineSizing,
+    ExclusiveSharing,
+    MeshSharing,
+    WorkerPorts,
+    make_sharing,
+)
 
 
 @dataclass
@@ -154,3 +163,29 @@ def test_the_worker_takes_the_strategy_of_its_sharing_setting():
     assert isinstance(WorkerService(WorkerConfig("w-exclusive")).sharing, ExclusiveSharing)
     mesh = WorkerService(WorkerConfig("w-mesh", sharing="mesh", memory_capacity_bytes=1 << 30)).sharing
     assert isinstance(mesh, MeshSharing) and mesh.memory.capacity == 1 << 30
+
+
+async def test_dedicated_unloads_every_other_model_before_a_load_and_nothing_else():
+    unloaded: list[tuple[str, str, float]] = []
+    residents = {"i-a": "a", "i-c": "c", "i-b-old": "b", "i-b": "b"}
+
+    async def unload(iid: str, reason: str, drain_s: float) -> None:
+        unloaded.append((iid, reason, drain_s))
+        residents.pop(iid)
+
+    ports = WorkerPorts(broker=None, instances={}, requests={}, engine_thread=lambda: None,
+                        blocks_in_engine=lambda model: {}, memory_capacity=lambda: 1 << 30,
+                        residents=lambda: dict(residents), unload=unload)
+    dedicated = make_sharing(_Config(sharing="dedicated"), ports)
+    assert isinstance(dedicated, DedicatedSharing) and dedicated.schedule == "turns"
+    await dedicated.make_room("i-b", "b")
+    # a and c go (drained first, within the planner's drain timeout); b's own instances stay
+    assert sorted(iid for iid, _, _ in unloaded) == ["i-a", "i-c"]
+    assert all("sharing=dedicated" in why and drain == EVICT_DRAIN_TIMEOUT_S for _, why, drain in unloaded)
+    assert set(residents.values()) == {"b"}
+    await dedicated.make_room("i-b2", "b")  # the worker holds b only: nothing more to unload
+    assert len(unloaded) == 2
+    # exclusive and mesh never unload to make room
+    for name in ("exclusive", "mesh"):
+        await make_sharing(_Config(sharing=name), ports).make_room("i-x", "x")
+    assert len(unloaded) == 2
