@@ -258,6 +258,10 @@ class InstanceLoading:
         """instance -> model, for every instance here that has not stopped (loading, serving, draining)."""
         return {iid: self._info[iid].model for iid in self.lifecycles if iid in self._info}
 
+    def stopping(self) -> set[str]:
+        """The instances here whose unload was asked and that have not stopped yet."""
+        return {iid for iid, lc in self.lifecycles.items() if lc.phase in lifecycle.STOPPING}
+
     async def stopped(self, instance_id: str, timeout_s: float) -> bool:
         """Wait until the instance reported stopped (at once if it has no lifecycle here); False:
         still there after `timeout_s`."""

@@ -321,7 +321,8 @@ class WorkerService(Service):
             broker=self.broker, instances=self.instances, requests=self.requests,
             engine_thread=lambda: self.runtime, blocks_in_engine=lambda model: self.loading.blocks_in_engine(model),
             memory_capacity=lambda: memory_capacity(config),
-            residents=lambda: self.loading.residents(), unload=self._unload_here))
+            residents=lambda: self.loading.residents(), stopping=lambda: self.loading.stopping(),
+            unload=self._unload_here))
         # Loads and every instance's lifecycle (libs/planning/instance.py); `instances` holds the attached ones.
         self.loading = InstanceLoading(config, self.events, self.cache, self.loader, self.instances,
                                        incoming=self._incoming, kept=self._kept, sharing=self.sharing,
@@ -637,16 +638,21 @@ class WorkerService(Service):
             return m.CommandAck(accepted=False, detail=f"instance {op.instance_id} is not on {self.config.worker_id}")
         return m.CommandAck(accepted=True, detail=answer.detail)
 
-    async def _unload_here(self, instance_id: str, reason: str, drain_timeout_s: float) -> None:
+    def _unload_here(self, instance_id: str, reason: str, drain_timeout_s: float) -> asyncio.Task:
         """Unload an instance on this worker's own decision (sharing=dedicated: another model is
-        to load here): drained, then stopped and reported as the planner's UnloadModel would;
-        returns once it stopped."""
+        to load here): it stops serving now, then is drained, stopped and reported as the
+        planner's UnloadModel would have it; the task returned ends once it stopped."""
         effects = self.loading.step(instance_id, lifecycle.UnloadAsked(reason, (), drain_timeout_s, None))
         if any(isinstance(e, lifecycle.StopHosting) for e in effects):
             self.pipelines.stop_hosting(instance_id)
-        await self.loading.run(instance_id, effects)
-        if not await self.loading.stopped(instance_id, drain_timeout_s + 10.0):
-            log.warning("instance %s did not stop within %.0f s of its unload", instance_id, drain_timeout_s + 10.0)
+
+        async def stop() -> None:
+            await self.loading.run(instance_id, effects)
+            if not await self.loading.stopped(instance_id, drain_timeout_s + 10.0):
+                log.warning("instance %s did not stop within %.0f s of its unload", instance_id,
+                            drain_timeout_s + 10.0)
+
+        return self.spawn(stop())
 
     def _subscribe(self) -> None:
         b = self.broker

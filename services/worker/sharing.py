@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -153,7 +153,10 @@ class WorkerPorts:
     memory_capacity: Callable[[], int]  # the bytes its engines may hold (asked only by a strategy that budgets)
     # instance id -> model, every instance here (loading, serving or draining) that has not stopped
     residents: Callable[[], Mapping[str, str]] = dict
-    # unload an instance (reason, drain timeout): returns once it stopped
+    # the instances here whose unload was asked (draining, or a load being cancelled): not stopped yet
+    stopping: Callable[[], Collection[str]] = frozenset
+    # unload an instance (reason, drain timeout): it stops serving at once (before this returns);
+    # the awaitable returned ends once it stopped
     unload: Callable[[str, str, float], Awaitable[None]] | None = None
 
 
@@ -208,14 +211,20 @@ class DedicatedSharing(ExclusiveSharing):
         self._room = asyncio.Lock()  # one load makes room at a time: two never both find the worker free
 
     async def make_room(self, instance_id: str, model: str) -> None:
+        # Decided one load at a time (two loads never both find the worker free), but waited for
+        # outside the lock: a load that another one unloads meanwhile (it is cancelled) must
+        # reach its next step, which ends it, while that other load waits for it.
         async with self._room:
-            others = sorted(iid for iid, held in self.ports.residents().items()
-                            if iid != instance_id and held != model)
+            residents = self.ports.residents()
+            if instance_id not in residents or instance_id in self.ports.stopping():
+                return  # unloaded while it waited (another model's load): its load ends at its next step
+            others = sorted(iid for iid, held in residents.items() if iid != instance_id and held != model)
             if others:
                 log.info("sharing=dedicated: unloading %s to load %s (%s)", ", ".join(others), model, instance_id)
-            await asyncio.gather(*(self.ports.unload(iid, f"unloaded for {model} (sharing=dedicated)",
-                                                     EVICT_DRAIN_TIMEOUT_S) for iid in others))
+            stops = [self.ports.unload(iid, f"unloaded for {model} (sharing=dedicated)", EVICT_DRAIN_TIMEOUT_S)
+                     for iid in others]
             DEDICATED_UNLOADS.inc(len(others))
+        await asyncio.gather(*stops)
 
 
 class MeshSharing:
