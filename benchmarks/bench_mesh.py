@@ -426,13 +426,18 @@ def mesh_cluster(sharing: str, models: dict[str, Path], cfg: MeshBenchConfig, st
                           headers={"Authorization": f"Bearer {state.admin_key}"})
             return r.status_code == 200 and any(i["state"] == "ready" for i in r.json()["instances"])
 
-        warm = list(models)
-        if dedicated:  # one model per worker: the W most requested, each warmed by a request
-            warm = warm_first or warm[: cfg.workers]
-            for name in warm:
-                _warm(state, name, context)
-        for name in warm:
-            _wait(lambda: ready(name), 240, f"an instance of {name} ({sharing})")
+        if dedicated:
+            # One model per worker: the W most requested, each warmed by a request, all at once
+            # (with min 0 instances a model warmed first would be scaled to zero after its
+            # keep-alive while the next ones load). Served is warm: the replay starts right after.
+            from concurrent.futures import ThreadPoolExecutor
+
+            warm = list(warm_first or list(models)[: cfg.workers])
+            with ThreadPoolExecutor(len(warm)) as pool:
+                list(pool.map(lambda name: _warm(state, name, context), warm))
+        else:
+            for name in models:
+                _wait(lambda: ready(name), 240, f"an instance of {name} ({sharing})")
         if sharing == "mesh":  # measured on the engine thread at first load: not during the replay
             for name in models:
                 _wait(lambda: profile_stored(state.nats_url, namespace, name), 240, f"the profile of {name}")
