@@ -1,5 +1,6 @@
-"""`layercast bench mesh`: K models on W workers, sharing=exclusive against sharing=mesh
-(LLM-Mesh, issue 23), on the same multi-model workload with the same seed.
+"""`layercast bench mesh`: K models on W workers, sharing=exclusive, sharing=mesh (LLM-Mesh,
+issue 23) and sharing=dedicated (one model per worker at a time: the paper's baseline, issue 41),
+on the same multi-model workload with the same seed.
 
 1. K demo models (`create_demo_checkpoint`, seed i, presets alternating tiny / small so sizes
    differ), each made a benchmark model (`bench_trace.make_bench_model`: no end-of-sequence
@@ -7,12 +8,19 @@
    chunk per token), 2 blocks each, built once under the state dir.
 2. The workload (benchmarks/mesh_workload.py): the Azure LLM trace, time-compressed to the
    replay's duration, thinned to a mean rate, its requests mapped onto the K models by a
-   seeded Zipf draw (no public multi-model LLM trace exists; see that module).
+   seeded Zipf draw (no public multi-model LLM trace exists; see that module). The rate is the
+   offered load (`load`, default 1) times the capacity measured at the start of the run
+   (:func:`measure_capacity`: what W workers complete per second at a full batch of the
+   workload's mean request, on its mix of models), unless a fixed `target_rps` is given.
 3. Per trial and setting: a fresh cluster (own NATS, own SQLite registry), W worker
    processes started with LAYERCAST_SHARING=<setting>, the K models deployed with the same
    fields (min 1 instance each so every model is warm at the start, at most W, the SLOs), and
    in mesh mode the replay waits until every model's profile is in the registry (a worker
    profiles a model on its engine thread when first loaded; the replay should not pay it).
+   Dedicated: a worker holds one model, so the models are deployed with min 0 instances
+   (pinning K > W models would have them take the workers from each other without end) and
+   the W most requested are warmed by one request each before the replay; the others start
+   cold, as ServerlessLLM's would.
    Then every request is sent at its time through the gateway (`/v1/completions`, streaming,
    prompt as token ids), no concurrency bound.
 4. Per worker caps. Always, in process: one torch thread, `--engine-capacity-gb` and
@@ -89,6 +97,7 @@ WORKER_COUNTERS = {
     "preemptions": ("layercast_worker_mesh_preemptions_total",),
     "kv_resizes": ("layercast_worker_mesh_kv_resizes_total",),
     "reservation_waits": ("layercast_worker_mesh_memory_waits_total",),
+    "dedicated_unloads": ("layercast_worker_dedicated_unloads_total",),
 }
 OOM_LOG = re.compile(r"MemoryError|OutOfMemoryError|out of memory", re.IGNORECASE)
 
@@ -106,7 +115,10 @@ class MeshBenchConfig:
     trials: int = 1
     duration_s: float = 30.0
     trace: str = "code"  # conv | code | a CSV path
-    target_rps: float = 2.0
+    # The offered load: `load` x the capacity measured at the start of the run (measure_capacity),
+    # or a fixed rate where target_rps is given (its multiple of the capacity is reported too).
+    load: float = 1.0
+    target_rps: float | None = None
     seed: int = 0
     zipf_s: float = 1.0
     max_prompt_tokens: int = 128
@@ -247,6 +259,93 @@ class MeshCluster:
         return [p for p in self.state.processes if p.name.startswith("worker")]
 
 
+# --- the capacity the offered load is stated against ---------------------------------------------
+
+
+def worker_rate(per_request_s: dict[str, float], shares: dict[str, float]) -> float:
+    """Requests per second one worker completes on a mix of models: the inverse of the mean time
+    a request takes at a full batch (per_request_s: model -> seconds per request; shares: model
+    -> its fraction of the requests)."""
+    total = sum(shares.values())
+    mean_s = sum(per_request_s[name] * share for name, share in shares.items()) / total
+    return 1.0 / mean_s
+
+
+def capacity_rps(per_request_s: dict[str, float], shares: dict[str, float], workers: int,
+                 cpu_per_worker: float | None) -> float:
+    """What W workers complete per second: W x one worker's rate, scaled down to a CPU quota
+    below one CPU (the probe ran on one whole CPU thread)."""
+    scale = min(1.0, cpu_per_worker) if cpu_per_worker else 1.0
+    return workers * scale * worker_rate(per_request_s, shares)
+
+
+def probe_seconds_per_request(path: Path, prompt_tokens: int, output_tokens: int, batch: int, kv_cache_bytes: int,
+                              limits: tuple[int, set[int]], repeats: int = 2) -> float:
+    """Seconds per request of one model at a full batch: one engine in this process (one torch
+    thread, the workers' batch and KV), `batch` requests of the given size run to completion (the
+    benchmark models have no end token); the fastest of `repeats` (the first pays warm-up)."""
+    import torch
+
+    from libs.engine import Engine, SamplingSpec
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = Engine.from_checkpoint(path, max_batch_size=batch, max_seq_len=prompt_tokens + output_tokens + 8,
+                                        kv_cache_bytes=kv_cache_bytes)
+        best = float("inf")
+        for rep in range(repeats):
+            for i in range(batch):
+                engine.add_request(f"probe-{rep}-{i}", prompt_ids(prompt_tokens, 7919 * rep + i, *limits),
+                                   SamplingSpec(temperature=0, max_tokens=output_tokens))
+            t0 = time.perf_counter()
+            while engine.has_work():
+                engine.step()
+            best = min(best, (time.perf_counter() - t0) / batch)
+        return best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure_capacity(models: dict[str, Path], requests: Sequence[MeshRequest], cfg: MeshBenchConfig,
+                     limits: dict[str, tuple[int, set[int]]], log: Callable[[str], None] = _log) -> dict:
+    """The cluster's capacity in requests per second for this workload, measured now: per preset,
+    the first model of it is probed (probe_seconds_per_request) at the workload's mean prompt
+    and output lengths; each model takes its preset's time, weighted by its share of the
+    requests; W workers at their CPU quota."""
+    from services.worker.service import WorkerConfig
+
+    prompt = max(1, round(sum(r.prompt_tokens for r in requests) / len(requests)))
+    output = max(2, round(sum(r.output_tokens for r in requests) / len(requests)))
+    batch = WorkerConfig.max_batch_size
+    by_preset: dict[str, float] = {}
+    per_request: dict[str, float] = {}
+    for i, (name, path) in enumerate(models.items()):
+        preset = PRESETS[i % len(PRESETS)]
+        if preset not in by_preset:
+            by_preset[preset] = probe_seconds_per_request(path, prompt, output, batch,
+                                                          int(cfg.kv_cache_gb * (1 << 30)), limits[name])
+        per_request[name] = by_preset[preset]
+    shares = Counter(model_name(r.model) for r in requests)
+    cpu = _cpu_quota(cfg)
+    rate = capacity_rps(per_request, dict(shares), cfg.workers, cpu)
+    log(f"capacity: {rate:.3f} req/s on {cfg.workers} workers ({cpu or 'uncapped'} CPU each; per request at a "
+        f"batch of {batch}: " + ", ".join(f"{p} {s * 1000:.1f} ms" for p, s in by_preset.items()) +
+        f"; mean request {prompt} + {output} tokens)")
+    return {"capacity_rps": round(rate, 4), "seconds_per_request": {p: round(s, 6) for p, s in by_preset.items()},
+            "batch": batch, "mean_prompt_tokens": prompt, "mean_output_tokens": output,
+            "cpu_per_worker": cpu,
+            "how": ("measured at the start of the run: per preset, one engine in the benchmark's process (one torch "
+                    "thread) runs a full batch of the workload's mean request; a worker's rate is the inverse of "
+                    "the request-weighted mean time per request; x workers x min(1, CPU quota)")}
+
+
+def _cpu_quota(cfg: MeshBenchConfig) -> float | None:
+    """CPUs per worker: as configured, else the machine's CPUs shared by the workers (0: uncapped)."""
+    quota = cfg.cpu_quota if cfg.cpu_quota is not None else (os.cpu_count() or 1) / cfg.workers
+    return quota or None
+
+
 def profile_stored(nats_url: str, namespace: str, model: str) -> bool:
     """Whether the registry has `model`'s CPU profile (a mesh worker measured it)."""
     from libs.bus.broker import RemoteError, call, make_broker, start_broker
@@ -278,9 +377,19 @@ def _wait(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
     raise ClusterError(f"timed out after {timeout_s:g}s waiting for {what}")
 
 
+def _warm(state: ClusterState, name: str, context: int) -> None:
+    """One 2-token request for `name` (sharing=dedicated: it scales from zero onto an idle worker)."""
+    r = httpx.post(f"{state.gateway_url}/v1/completions", timeout=240,
+                   headers={"Authorization": f"Bearer {state.api_key}"},
+                   json={"model": name, "prompt": [11, 12, 13], "max_tokens": 2})
+    if r.status_code != 200:
+        raise ClusterError(f"warming {name} failed: {r.status_code} {r.text[:300]}")
+
+
 @contextmanager
 def mesh_cluster(sharing: str, models: dict[str, Path], cfg: MeshBenchConfig, state_dir: Path,
-                 context: int, log: Callable[[str], None] = _log) -> Iterator[MeshCluster]:
+                 context: int, log: Callable[[str], None] = _log,
+                 warm_first: Sequence[str] = ()) -> Iterator[MeshCluster]:
     from libs.admin import deploy_model
 
     state_dir = Path(state_dir).resolve()
@@ -294,7 +403,7 @@ def mesh_cluster(sharing: str, models: dict[str, Path], cfg: MeshBenchConfig, st
                 "LAYERCAST_ENGINE_CAPACITY_GB": f"{cfg.memory_gb * 0.75:g}",
                 "LAYERCAST_HOST_CAPACITY_GB": f"{cfg.memory_gb * 0.25:g}",
                 "LAYERCAST_PROFILE_MAX_LEN": str(max(16, cfg.max_prompt_tokens))})
-    cpu_quota = cfg.cpu_quota if cfg.cpu_quota is not None else (os.cpu_count() or 1) / cfg.workers
+    cpu_quota = _cpu_quota(cfg)
     with ExitStack() as stack:
         spec = ClusterSpec(state_dir=state_dir, port=free_port(), api_key=API_KEY, admin_key=ADMIN_KEY,
                            workers=cfg.workers, namespace=namespace, heartbeat_ttl_s=15.0,
@@ -307,8 +416,9 @@ def mesh_cluster(sharing: str, models: dict[str, Path], cfg: MeshBenchConfig, st
             if p.name.startswith("worker"):
                 caps.apply(p.name, p.pid)
         recorder = stack.enter_context(EventRecorder(state.nats_url, namespace))
+        dedicated = sharing_setting(sharing).one_model_per_worker
         for name, path in models.items():
-            deploy_model(state, name, path, min_instances=1, max_instances=cfg.workers,
+            deploy_model(state, name, path, min_instances=0 if dedicated else 1, max_instances=cfg.workers,
                          keep_alive_s=cfg.keep_alive_s, ttft_slo_s=cfg.ttft_slo_s, tpot_slo_s=cfg.tpot_slo_s)
 
         def ready(name: str) -> bool:
@@ -316,8 +426,18 @@ def mesh_cluster(sharing: str, models: dict[str, Path], cfg: MeshBenchConfig, st
                           headers={"Authorization": f"Bearer {state.admin_key}"})
             return r.status_code == 200 and any(i["state"] == "ready" for i in r.json()["instances"])
 
-        for name in models:
-            _wait(lambda: ready(name), 240, f"an instance of {name} ({sharing})")
+        if dedicated:
+            # One model per worker: the W most requested, each warmed by a request, all at once
+            # (with min 0 instances a model warmed first would be scaled to zero after its
+            # keep-alive while the next ones load). Served is warm: the replay starts right after.
+            from concurrent.futures import ThreadPoolExecutor
+
+            warm = list(warm_first or list(models)[: cfg.workers])
+            with ThreadPoolExecutor(len(warm)) as pool:
+                list(pool.map(lambda name: _warm(state, name, context), warm))
+        else:
+            for name in models:
+                _wait(lambda: ready(name), 240, f"an instance of {name} ({sharing})")
         if sharing == "mesh":  # measured on the engine thread at first load: not during the replay
             for name in models:
                 _wait(lambda: profile_stored(state.nats_url, namespace, name), 240, f"the profile of {name}")
@@ -484,14 +604,17 @@ def median_trial(rows: Sequence[dict]) -> dict:
 def run_mesh_benchmark(cfg: MeshBenchConfig, state_dir: Path, log: Callable[[str], None] = _log) -> dict:
     for s in cfg.settings:
         sharing_setting(s)
-    spec = MeshWorkloadSpec(models=cfg.models, duration_s=cfg.duration_s, target_rps=cfg.target_rps, seed=cfg.seed,
-                            zipf_s=cfg.zipf_s, max_prompt_tokens=cfg.max_prompt_tokens,
-                            max_output_tokens=cfg.max_output_tokens)
-    requests, workload, trace_path = load_workload(cfg.trace, spec)
-    if not requests:
-        raise ValueError("the workload has no requests: raise --rps or --duration-s")
+    if not cfg.load > 0 and cfg.target_rps is None:
+        raise ValueError(f"the offered load must be > 0 (a multiple of the capacity), got {cfg.load}")
+
+    def workload_at(rps: float) -> tuple[list[MeshRequest], dict, Path]:
+        spec = MeshWorkloadSpec(models=cfg.models, duration_s=cfg.duration_s, target_rps=rps, seed=cfg.seed,
+                                zipf_s=cfg.zipf_s, max_prompt_tokens=cfg.max_prompt_tokens,
+                                max_output_tokens=cfg.max_output_tokens)
+        return load_workload(cfg.trace, spec)
+
     state_dir = Path(state_dir).resolve() / "bench-mesh"
-    log(f"building {cfg.models} models; {len(requests)} requests over {cfg.duration_s:g} s")
+    log(f"building {cfg.models} models")
     paths = mesh_models(state_dir, cfg.models)
     models = {model_name(i): p for i, p in enumerate(paths)}
     limits, context = {}, None
@@ -499,6 +622,21 @@ def run_mesh_benchmark(cfg: MeshBenchConfig, state_dir: Path, log: Callable[[str
         vocab, ctx, eos = model_limits(p)
         limits[name] = (vocab, eos)
         context = ctx if context is None else min(context, ctx)
+    # The capacity, on the workload's request sizes and model mix (a draft of it at 10 req/s).
+    draft, _, _ = workload_at(cfg.target_rps or 10.0)
+    if not draft:
+        raise ValueError("the workload has no requests: raise --load, --rps or --duration-s")
+    capacity = measure_capacity(models, draft, cfg, limits, log)
+    rps = cfg.target_rps if cfg.target_rps is not None else cfg.load * capacity["capacity_rps"]
+    requests, workload, trace_path = workload_at(rps)
+    if not requests:
+        raise ValueError("the workload has no requests: raise --load, --rps or --duration-s")
+    offered = {"rps": round(rps, 4), "multiple_of_capacity": round(rps / capacity["capacity_rps"], 4),
+               "stated_as": "a fixed rate (--rps)" if cfg.target_rps is not None else "a multiple of capacity (--load)",
+               **capacity}
+    log(f"offered load {offered['multiple_of_capacity']:g} x capacity = {rps:.3f} req/s: {len(requests)} requests "
+        f"over {cfg.duration_s:g} s")
+    popular = [model_name(i) for i, _ in Counter(r.model for r in requests).most_common()]
     need = max(r.prompt_tokens + r.output_tokens for r in requests)
     if need > context:
         raise ValueError(f"a request needs {need} tokens of context, the models have {context}")
@@ -506,7 +644,8 @@ def run_mesh_benchmark(cfg: MeshBenchConfig, state_dir: Path, log: Callable[[str
     for t in range(cfg.trials):
         for sharing in cfg.settings:
             log(f"trial {t + 1}/{cfg.trials}, {sharing}: starting a fresh cluster")
-            with mesh_cluster(sharing, models, cfg, state_dir / sharing, context, log) as c:
+            with mesh_cluster(sharing, models, cfg, state_dir / sharing, context, log,
+                              warm_first=popular[: cfg.workers]) as c:
                 offsets = {}
                 for p in c.workers():
                     try:
@@ -521,16 +660,21 @@ def run_mesh_benchmark(cfg: MeshBenchConfig, state_dir: Path, log: Callable[[str
             log(f"trial {t + 1}, {sharing}: {row['slo_compliant_requests']}/{row['requests']} SLO-compliant, "
                 f"ttft p50 {row['ttft_p50']} p99 {row['ttft_p99']}, tpot p50 {row['tpot_p50']} p99 "
                 f"{row['tpot_p99']}, lost {row['lost']}, ooms {row['ooms']}")
-    results = [median_trial([r for r in trials if r["sharing"] == s]) for s in ("mesh", "exclusive")
-               if s in cfg.settings]
+    results = [median_trial([r for r in trials if r["sharing"] == s]) for s in cfg.settings]
     by = {r["sharing"]: r for r in results}
-    ratio = None
-    if "mesh" in by and "exclusive" in by and by["exclusive"]["slo_compliant_requests"] > 0:
-        ratio = round(by["mesh"]["slo_compliant_requests"] / by["exclusive"]["slo_compliant_requests"], 4)
+
+    def ratio_to(base: str) -> float | None:
+        if "mesh" in by and base in by and by[base]["slo_compliant_requests"] > 0:
+            return round(by["mesh"]["slo_compliant_requests"] / by[base]["slo_compliant_requests"], 4)
+        return None
+
     return {
         "results": results,
-        "ratio": ratio,
+        "ratio": ratio_to("exclusive"),
         "ratio_of": "mesh / exclusive SLO-compliant requests (median trials; null when exclusive has none)",
+        "ratio_dedicated": ratio_to("dedicated"),
+        "ratio_dedicated_of": "mesh / dedicated SLO-compliant requests (median trials; null when dedicated has none)",
+        "offered_load": offered,
         "trials": trials,
         "median_of": cfg.trials,
         "models": cfg.models,
@@ -539,7 +683,8 @@ def run_mesh_benchmark(cfg: MeshBenchConfig, state_dir: Path, log: Callable[[str
         "attribution": workload["attribution"],
         "config": {**asdict(cfg), "settings": list(cfg.settings),
                    "presets": [PRESETS[i % len(PRESETS)] for i in range(cfg.models)],
-                   "deploy": {"min_instances": 1, "max_instances": cfg.workers, "keep_alive_s": cfg.keep_alive_s,
+                   "deploy": {"min_instances": "1 (dedicated: 0, the most requested W warmed by a request)",
+                              "max_instances": cfg.workers, "keep_alive_s": cfg.keep_alive_s,
                               "ttft_slo_s": cfg.ttft_slo_s, "tpot_slo_s": cfg.tpot_slo_s,
                               "scaling_mode": "layercast", "policy": "concurrency"},
                    "slo": ("token i (from 0) within ttft_slo_s + i * tpot_slo_s of sending (LLM-Mesh eq. 1; "

@@ -571,7 +571,13 @@ def mesh(
     workers: int = typer.Option(2, "--workers", min=1, help="Worker processes (CPU quota and memory cap each)."),
     trials: int = typer.Option(1, "--trials", min=1, help="Trials per setting; the median trial is reported."),
     duration_s: float = typer.Option(30.0, "--duration-s", min=1.0, help="The trace is compressed to this."),
-    rps: float = typer.Option(2.0, "--rps", min=0.01, help="Mean request rate of the replay (seeded thinning)."),
+    load: float = typer.Option(1.0, "--load", min=0.01,
+                               help="Offered load as a multiple of the capacity measured at the start of the run "
+                                    "(what the workers complete per second at a full batch of the workload's mean "
+                                    "request)."),
+    rps: float = typer.Option(None, "--rps", min=0.01,
+                              help="A fixed mean request rate instead of --load (its multiple of the capacity is "
+                                   "reported)."),
     trace: str = typer.Option("code", "--trace", help="code | conv (the Azure LLM traces 2023) or a CSV path."),
     seed: int = typer.Option(0, "--seed", help="Thinning, Zipf mapping and prompt seed (same for both settings)."),
     zipf_s: float = typer.Option(1.0, "--zipf-s", min=0.0, help="Zipf exponent of the model popularity."),
@@ -588,12 +594,13 @@ def mesh(
                                          "engine/host capacities."),
     kv_cache_gb: float = typer.Option(0.25, "--kv-cache-gb", min=0.001, help="KV cache per instance."),
     request_timeout_s: float = typer.Option(60.0, "--request-timeout-s", min=1.0),
-    settings: str = typer.Option("exclusive,mesh", "--settings", help="Sharing settings to run."),
+    settings: str = typer.Option("exclusive,mesh,dedicated", "--settings", help="Sharing settings to run."),
     plot: Path = typer.Option(None, "--plot", help="Write a PNG: SLO attainment against K (needs matplotlib)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     state_dir: Path = typer.Option(Path(".layercast"), "--state-dir"),
 ) -> None:
-    """K models on W workers, sharing=exclusive against sharing=mesh (LLM-Mesh) on the same multi-model
+    """K models on W workers, sharing=exclusive, sharing=mesh (LLM-Mesh) and sharing=dedicated (one model per
+    worker at a time) on the same multi-model
     workload: the Azure LLM trace time-compressed to --duration-s, its requests mapped onto the K models by a
     seeded Zipf draw (no public multi-model LLM trace exists; LLM-Mesh maps models onto Azure Functions
     invocations). Reports SLO-compliant requests, TTFT/TPOT p50/p99, models served, instance-seconds,
@@ -609,7 +616,8 @@ def mesh(
     try:
         for k in ks:
             cfg = MeshBenchConfig(models=k, workers=workers, trials=trials, duration_s=duration_s, trace=trace,
-                                  target_rps=rps, seed=seed, zipf_s=zipf_s, max_prompt_tokens=max_prompt_tokens,
+                                  load=load, target_rps=rps, seed=seed, zipf_s=zipf_s,
+                                  max_prompt_tokens=max_prompt_tokens,
                                   max_output_tokens=max_output_tokens, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s,
                                   keep_alive_s=keep_alive_s, cpu_quota=cpu_quota, memory_gb=memory_gb,
                                   kv_cache_gb=kv_cache_gb, request_timeout_s=request_timeout_s,
@@ -623,7 +631,9 @@ def mesh(
     result = runs[0] if len(runs) == 1 else {"runs": runs}
     if plot is not None:
         try:
-            plot_attainment(plot, runs, f"SLO attainment, {workers} workers, {duration_s:g} s at {rps:g} req/s")
+            offered = (f"{rps:g} req/s" if rps is not None
+                       else f"{load:g}x capacity ({', '.join(str(r['offered_load']['rps']) for r in runs)} req/s)")
+            plot_attainment(plot, runs, f"SLO attainment, {workers} workers, {duration_s:g} s at {offered}")
             result["plot"] = str(plot)
         except ImportError:
             typer.echo("matplotlib is not installed: no plot", err=True)
@@ -637,7 +647,9 @@ def mesh(
     for run in runs:
         table = Table(title=f"K={run['models']} models on {run['workers']} workers, "
                             f"{run['workload']['requests']} requests, median of {run['median_of']}; "
-                            f"mesh/exclusive SLO-compliant: {run['ratio']}")
+                            f"offered {run['offered_load']['multiple_of_capacity']}x capacity "
+                            f"({run['offered_load']['rps']} req/s); mesh/exclusive SLO-compliant: {run['ratio']}, "
+                            f"mesh/dedicated: {run['ratio_dedicated']}")
         for col in ("sharing", "SLO ok", "TTFT p50/p99 s", "TPOT p50/p99 s", "models", "instance-s", "lost",
                     "OOMs"):
             table.add_column(col, justify="right")

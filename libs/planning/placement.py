@@ -7,7 +7,7 @@ faster than one that must fetch them.
 """
 
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 # Nearer tiers first; a block held in several tiers counts in its nearest.
@@ -122,3 +122,66 @@ def pick_victims(instances: Iterable[LiveInstance], n: int) -> list[str]:
     nobody yet), then the least loaded, ties by id."""
     ranked = sorted(instances, key=lambda i: (i.state != "loading", i.in_flight, i.instance_id))
     return [i.instance_id for i in ranked[: max(0, n)]]
+
+
+# --- sharing=dedicated: one model per worker at a time -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resident:
+    """An instance (or a pipeline stage) a worker holds: what `dedicated` placement must clear."""
+
+    instance_id: str
+    model: str
+    state: str  # loading | ready | draining
+    in_flight: int = 0  # requests running on its worker
+    model_instances: int = 1  # live instances of its model in the cluster, this one included
+
+
+@dataclass(frozen=True)
+class DedicatedPick:
+    targets: tuple[str, ...]
+    evicts: Mapping[str, tuple[str, ...]]  # target -> the instances its worker unloads first
+
+
+def eviction_key(residents: Iterable[Resident]) -> tuple:
+    """How costly it is to take this worker from the models it holds, least first: models that
+    keep an instance elsewhere before a model's last instance (that one's requests then wait
+    for a load), then the fewest requests in flight (they drain before the unload)."""
+    residents = list(residents)
+    return (any(r.model_instances <= 1 for r in residents), sum(r.in_flight for r in residents))
+
+
+def pick_dedicated_targets(model: str, ranked: Sequence[str], residents: Mapping[str, Sequence[Resident]], n: int,
+                           *, first: bool) -> DedicatedPick:
+    """Where `dedicated` sharing puts up to `n` new instances of `model` (ServerlessLLM's
+    allocation: one model per worker at a time). `ranked`: the candidate workers (none holds
+    `model`) in pick_targets' order; `residents`: worker -> what it holds.
+
+    1. Idle workers first (nothing there, or only instances already draining away), in `ranked`
+       order: a new instance never shares a worker with another model's.
+    2. None idle and `first` (the model has no live instance: its requests wait at the gateway
+       with nowhere to go): one worker is taken from the models it holds; the worker unloads them
+       (after their requests in flight end) before it loads `model`. The worker chosen is the
+       cheapest by :func:`eviction_key`, ties in `ranked` order. A worker with an instance still
+       loading is never taken (its model's first requests are waiting for it).
+    3. Otherwise (the model has an instance already) nothing is evicted for more of it: a
+       scale-out takes idle workers only."""
+    if n <= 0:
+        return DedicatedPick((), {})
+    ranked = list(dict.fromkeys(w for w in ranked if not any(r.model == model for r in residents.get(w, ()))))
+
+    def staying(w: str) -> list[Resident]:
+        return [r for r in residents.get(w, ()) if r.state != "draining"]
+
+    idle = [w for w in ranked if not staying(w)]
+    if idle:
+        return DedicatedPick(tuple(idle[:n]), {})
+    if not first:
+        return DedicatedPick((), {})
+    takeable = [w for w in ranked if all(r.state == "ready" for r in staying(w))]
+    if not takeable:
+        return DedicatedPick((), {})
+    order = {w: i for i, w in enumerate(ranked)}
+    victim = min(takeable, key=lambda w: (eviction_key(staying(w)), order[w]))
+    return DedicatedPick((victim,), {victim: tuple(sorted(r.instance_id for r in staying(victim)))})

@@ -61,7 +61,16 @@ from libs.planning.multicast_choice import DEFAULT_CHUNK_BYTES, choose_multicast
 from libs.planning.livepair import Receiving, Serving, choose_live_pairs
 from libs.planning.load_estimate import estimated_load_s
 from libs.planning.pipelines import plan_pipelines
-from libs.planning.placement import Candidate, Held, LiveInstance, full_copies, pick_targets, pick_victims
+from libs.planning.placement import (
+    Candidate,
+    Held,
+    LiveInstance,
+    Resident,
+    full_copies,
+    pick_dedicated_targets,
+    pick_targets,
+    pick_victims,
+)
 from libs.protocol import messages as m
 
 # The `serverlessllm` baseline's host cache keeps a stopped model's blocks this long (λScale §2.3
@@ -428,6 +437,8 @@ class ScalePlan:
     load_estimates: Mapping[str, float] = field(default_factory=dict)
     # Live pairs to form once each target's load is accepted (modes with live_pairs): plan_live_pairs
     live_pairs: tuple[PlannedPair, ...] = ()
+    # sharing=dedicated: target -> the instances (of other models) its worker unloads first
+    evicts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -462,6 +473,8 @@ class ScalePlan:
         if self.live_pairs:
             plan["live_pairs"] = [{"source_instance": p.source_instance, "source_worker": p.source_worker,
                                    "target_worker": p.target_worker} for p in self.live_pairs]
+        if self.evicts:
+            plan["evicts"] = {w: list(ids) for w, ids in self.evicts.items()}
         if self.load_estimates:
             # Beside what happens: the operation adds measured_load_s when it closes (scaleop).
             plan["estimated_load_s"] = {w: round(s, 6) for w, s in self.load_estimates.items()}
@@ -480,11 +493,25 @@ class ScaleIn:
         return {"kind": "drain", "victims": sorted(i.instance_id for i in self.victims)}
 
 
+def residents(view: m.ClusterView, load: Mapping[str, int]) -> dict[str, list[Resident]]:
+    """worker -> the instances (and pipeline stages) on it that have not stopped."""
+    live = Counter(i.model for i in view.instances if i.state in LIVE and i.mode == "local")
+    out: dict[str, list[Resident]] = {}
+    for i in view.instances:
+        if i.state in (*LIVE, m.InstanceState.draining):
+            for w in dict.fromkeys(s.worker_id for s in i.stages):
+                out.setdefault(w, []).append(Resident(i.instance_id, i.model, i.state.value, load.get(w, 0),
+                                                      live[i.model]))
+    return out
+
+
 def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[str, int] | None = None,
-                   saturated: Collection[str] = ()) -> ScalePlan | None:
+                   saturated: Collection[str] = (), *, dedicated: bool = False) -> ScalePlan | None:
     """The scale-out `request` needs (None: it needs none). `load`: worker -> running requests;
     `saturated`: workers refusing requests as busy (:func:`saturated_workers`; see
-    :func:`pick_targets`)."""
+    :func:`pick_targets`). `dedicated` (sharing=dedicated): one model per worker at a time, the
+    targets by :func:`pick_dedicated_targets` (idle workers, or for a first instance one worker
+    taken from another model)."""
     load = load or {}
     model = find_model(view, request.model)
     live = live_instances(view, request.model)
@@ -500,7 +527,13 @@ def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[s
     # Each candidate's estimated load time (its measured bandwidths, where it holds the blocks,
     # the loads already running there) ranks it first (ServerlessLLM §6.4).
     load_s = estimated_load_s(view, model, [c.worker_id for c in candidates])
-    targets = pick_targets(block_bytes, candidates, held, desired - len(live), first=not live, load_s=load_s)
+    evicts: Mapping[str, tuple[str, ...]] = {}
+    if dedicated:
+        ranked = pick_targets(block_bytes, candidates, held, len(candidates), first=True, load_s=load_s)
+        pick = pick_dedicated_targets(model.name, ranked, residents(view, load), desired - len(live), first=not live)
+        targets, evicts = list(pick.targets), pick.evicts
+    else:
+        targets = pick_targets(block_bytes, candidates, held, desired - len(live), first=not live, load_s=load_s)
     held_back = tuple(c.worker_id for c in candidates if c.saturated and c.worker_id not in targets)
     if not targets:
         return ScalePlan(model, len(live), desired, (), held_back=held_back)
@@ -534,7 +567,7 @@ def plan_scale_out(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[s
     return ScalePlan(model, len(live), desired, loads, tuple(sources), tuple(receivers), multicast, link_gbps,
                      pipelines, prediction, held_back,
                      load_estimates={w: load_s[w] for w in targets if w in load_s},
-                     live_pairs=plan_live_pairs(view, model, multicast, receivers, link_gbps, load))
+                     live_pairs=plan_live_pairs(view, model, multicast, receivers, link_gbps, load), evicts=evicts)
 
 
 def plan_scale_in(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[str, int] | None = None, *,
@@ -555,10 +588,11 @@ def plan_scale_in(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[st
 
 
 def decide(view: m.ClusterView, request: m.ScaleRequest, load: Mapping[str, int] | None = None, *,
-           saturated: Collection[str] = (),
+           saturated: Collection[str] = (), dedicated: bool = False,
            host_keep_alive_s: float = SERVERLESSLLM_KEEP_ALIVE_S) -> ScalePlan | ScaleIn | None:
-    """What reconciling `request` against the view takes; None: the model is already there."""
-    out = plan_scale_out(view, request, load, saturated)
+    """What reconciling `request` against the view takes; None: the model is already there.
+    `dedicated`: sharing=dedicated's placement (see plan_scale_out)."""
+    out = plan_scale_out(view, request, load, saturated, dedicated=dedicated)
     if out is not None:
         return out
     return plan_scale_in(view, request, load, host_keep_alive_s=host_keep_alive_s)

@@ -411,7 +411,8 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
        sharing: str = typer.Option(os.environ.get("LAYERCAST_SHARING", "exclusive"), "--sharing",
                                      help="exclusive: each worker steps its engines in turn; mesh (LLM-Mesh): "
                                           "many models share a worker, one headroom-driven scheduler, admission by "
-                                          "shadow validation, bin-packing routing."),
+                                          "shadow validation, bin-packing routing; dedicated: one model per worker at "
+                                          "a time (ServerlessLLM's allocation, LLM-Mesh's baseline)."),
        ) -> None:
     """Start a dev cluster: NATS, database, the five services and N workers."""
     from libs.cluster.emulation import can_emulate, requested_profile

@@ -38,7 +38,8 @@ def main() -> None:
                    help="choices (n) per request at most; each takes a KV slot")
     p.add_argument("--sharing", choices=list(SHARINGS), default=env("LAYERCAST_SHARING", GatewayConfig.sharing),
                    help="exclusive: least-loaded routing; mesh (LLM-Mesh, models sharing workers): bin-packing "
-                        "routing, and workers may refuse a request as busy")
+                        "routing, and workers may refuse a request as busy; dedicated: one model per worker "
+                        "at a time, least-loaded routing")
     p.add_argument("--max-messages", type=int,
                    default=int(env("LAYERCAST_MAX_MESSAGES", GatewayConfig.max_messages)),
                    help="chat messages per request at most (content parts, tool calls and tools count too)")

@@ -135,7 +135,8 @@ class GatewayConfig:
     body_timeout_s: float = 60.0
     max_connections: int = 1024
     # "exclusive": an instance per device, least-loaded routing. "mesh" (LLM-Mesh): models share
-    # workers; bin-packing routing, and workers may refuse a request as "busy".
+    # workers; bin-packing routing, and workers may refuse a request as "busy". "dedicated": one
+    # model per worker at a time (the planner's placement and the workers'), least-loaded routing.
     sharing: str = "exclusive"
 
     def __post_init__(self):

@@ -4,6 +4,7 @@ import argparse
 import os
 
 from libs.planning.scaleout import SERVERLESSLLM_KEEP_ALIVE_S
+from libs.planning.sharing import SHARINGS
 from services.common.runner import run
 from services.planner.service import PlannerService
 
@@ -15,11 +16,15 @@ def main() -> None:
     p.add_argument("--serverlessllm-keep-alive", type=float,
                    default=float(env("LAYERCAST_SERVERLESSLLM_KEEP_ALIVE", str(SERVERLESSLLM_KEEP_ALIVE_S))),
                    help="seconds the serverlessllm mode's host cache keeps a stopped model (15: λScale; 300: BlitzScale)")
+    p.add_argument("--sharing", choices=list(SHARINGS), default=env("LAYERCAST_SHARING", "exclusive"),
+                   help="the cluster's sharing setting; dedicated: one model per worker at a time (a worker "
+                        "holding another model is taken only for a model's first instance)")
     p.add_argument("--health-host", default=env("LAYERCAST_HEALTH_HOST", "127.0.0.1"))
     p.add_argument("--health-port", type=int, default=int(env("LAYERCAST_HEALTH_PORT", "0")))
     a = p.parse_args()
     run(lambda: PlannerService(drain_timeout_s=a.drain_timeout,
-                                       serverlessllm_keep_alive_s=a.serverlessllm_keep_alive), a.health_host, a.health_port)
+                                       serverlessllm_keep_alive_s=a.serverlessllm_keep_alive,
+                               sharing=a.sharing), a.health_host, a.health_port)
 
 
 if __name__ == "__main__":

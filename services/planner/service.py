@@ -28,6 +28,7 @@ from libs.planning import scaleop as so
 from libs.planning.placement import saturated_workers
 from libs.planning.pool import PoolFill, plan_pool_fills
 from libs.planning.scaleout import SERVERLESSLLM_KEEP_ALIVE_S, ScaleIn, ScalePlan, alive_workers, decide
+from libs.planning.sharing import sharing_setting
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.telemetry import tracer
@@ -64,8 +65,11 @@ class PlannerService(Service):
     def __init__(self, nats_url: str | None = None, drain_timeout_s: float = 30.0,
                  serverlessllm_keep_alive_s: float = SERVERLESSLLM_KEEP_ALIVE_S, *,
                  workers: WorkerCommands | None = None, registry: ClusterRegistry | None = None,
-                 timers: so.Timers = TIMERS):
+                 timers: so.Timers = TIMERS, sharing: str = "exclusive"):
         super().__init__(nats_url)
+        # The cluster's sharing setting (libs/planning/sharing.py): with one model per worker
+        # (dedicated) the placement is pick_dedicated_targets'. An unknown name fails here.
+        self.sharing = sharing_setting(sharing)
         self.drain_timeout_s = drain_timeout_s
         self.serverlessllm_keep_alive_s = serverlessllm_keep_alive_s
         self.timers = timers
@@ -92,11 +96,14 @@ class PlannerService(Service):
     async def reconcile(self, req: m.ScaleRequest) -> m.ScaleOpInfo | None:
         """Bring the model to `req.desired_instances`; returns the operation started, if any."""
         received = time.time()
-        async with self._locks[req.model]:
+        # One model at a time per model; with one model per worker, one at a time overall: two
+        # models' decisions on the same view would both take the same idle worker.
+        async with self._locks["" if self.sharing.one_model_per_worker else req.model]:
             # The registry's view, with the live pairs open now (only this planner forms them).
             view = (await self.views.get()).model_copy(update={"live_pairs": so.open_live_pairs(self.ops.values())})
             viewed = time.time()
             decision = decide(view, req, self._load, saturated=saturated_workers(self._last_refusal, time.monotonic()),
+                              dedicated=self.sharing.one_model_per_worker,
                               host_keep_alive_s=self.serverlessllm_keep_alive_s)
             if isinstance(decision, ScalePlan) and not decision.loads and decision.held_back:
                 log.info("scale-up of %s to %d waits: %s refuse requests as busy (no room for another instance)",

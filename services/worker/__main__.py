@@ -52,7 +52,8 @@ def main() -> None:
                         "0: off")
     p.add_argument("--sharing", choices=list(SHARINGS), default=env("LAYERCAST_SHARING", WorkerConfig.sharing),
                    help="exclusive: engines step in turn on fixed KV caches; mesh (LLM-Mesh): one headroom "
-                        "scheduler over every instance here, admission by shadow validation")
+                        "scheduler over every instance here, admission by shadow validation; dedicated: one "
+                        "model at a time (another model's load unloads it first)")
     p.add_argument("--shadow-validation", action=argparse.BooleanOptionalAction,
                    default=env("LAYERCAST_SHADOW_VALIDATION", "1") not in ("0", "false", "no"),
                    help="with --sharing mesh: refuse a request that would push any request here past its SLO")

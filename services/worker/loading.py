@@ -198,6 +198,7 @@ class InstanceLoading:
         # made ready so far, which execution-pipeline stages run on (views: no copy)
         self.in_engine: dict[str, tuple[str, dict[int, torch.Tensor]]] = {}
         self._drains: dict[str, _DrainWait] = {}  # instance -> its drain under way
+        self._stopped: dict[str, asyncio.Event] = {}  # instance -> set once it reported stopped (`stopped`)
         # Carries out a live pair's end (EndPair): set by the worker, which runs its live pairs.
         self.on_pair_end: Callable[[str, lifecycle.EndPair], Awaitable[None]] | None = None
 
@@ -252,6 +253,26 @@ class InstanceLoading:
             wait.end(effects)
         else:  # (no drain without a Drain effect; kept safe all the same)
             self.spawn(self.run(instance_id, effects))
+
+    def residents(self) -> dict[str, str]:
+        """instance -> model, for every instance here that has not stopped (loading, serving, draining)."""
+        return {iid: self._info[iid].model for iid in self.lifecycles if iid in self._info}
+
+    def stopping(self) -> set[str]:
+        """The instances here whose unload was asked and that have not stopped yet."""
+        return {iid for iid, lc in self.lifecycles.items() if lc.phase in lifecycle.STOPPING}
+
+    async def stopped(self, instance_id: str, timeout_s: float) -> bool:
+        """Wait until the instance reported stopped (at once if it has no lifecycle here); False:
+        still there after `timeout_s`."""
+        if instance_id not in self.lifecycles:
+            return True
+        ev = self._stopped.setdefault(instance_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(ev.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return instance_id not in self.lifecycles
 
     def loads_running(self) -> set[str]:
         return {iid for iid, lc in self.lifecycles.items() if lc.load_running}
@@ -338,6 +359,8 @@ class InstanceLoading:
                     self.spawn(self._expire_after(keys, keep_alive_s))
             case lifecycle.ReportStopped():
                 self.forget(iid)
+                if (ev := self._stopped.pop(iid, None)) is not None:
+                    ev.set()
                 info = self._info[iid].model_copy(update={
                     "state": m.InstanceState.failed if e.failed else m.InstanceState.stopped})
                 await self.events.instance(info, e.reason, e.switched_to)
@@ -465,6 +488,8 @@ class InstanceLoading:
                 index = load.index = await asyncio.to_thread(CheckpointIndex.load, cmd.path)
                 for b in wanted:
                     index.block(b)
+                # The sharing strategy makes room first (dedicated: another model here is unloaded).
+                await self.sharing.make_room(iid, cmd.model)
                 full = (cmd.block_start, cmd.block_end) == (0, index.n_blocks)
                 # Sized and charged by the sharing strategy first (mesh: weights and the smallest KV
                 # against the memory budget; refused: the load fails, nothing allocated).

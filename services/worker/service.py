@@ -109,7 +109,7 @@ class WorkerConfig:
     # The cluster's sharing setting (libs/planning/sharing.py; its strategy: services/worker/sharing.py).
     # "exclusive": engines step in turn, fixed KV. "mesh" (LLM-Mesh): one headroom-driven schedule
     # over every instance here, admission by shadow validation against profiled iteration times
-    # (off: `shadow_validation`).
+    # (off: `shadow_validation`). "dedicated": one model at a time, another model's load unloads it first.
     sharing: str = "exclusive"
     shadow_validation: bool = True
     # With shadow validation: a refused request may preempt smaller instances here whose
@@ -320,7 +320,9 @@ class WorkerService(Service):
         self.sharing = make_sharing(config, WorkerPorts(
             broker=self.broker, instances=self.instances, requests=self.requests,
             engine_thread=lambda: self.runtime, blocks_in_engine=lambda model: self.loading.blocks_in_engine(model),
-            memory_capacity=lambda: memory_capacity(config)))
+            memory_capacity=lambda: memory_capacity(config),
+            residents=lambda: self.loading.residents(), stopping=lambda: self.loading.stopping(),
+            unload=self._unload_here))
         # Loads and every instance's lifecycle (libs/planning/instance.py); `instances` holds the attached ones.
         self.loading = InstanceLoading(config, self.events, self.cache, self.loader, self.instances,
                                        incoming=self._incoming, kept=self._kept, sharing=self.sharing,
@@ -635,6 +637,22 @@ class WorkerService(Service):
         if not answer.accepted:
             return m.CommandAck(accepted=False, detail=f"instance {op.instance_id} is not on {self.config.worker_id}")
         return m.CommandAck(accepted=True, detail=answer.detail)
+
+    def _unload_here(self, instance_id: str, reason: str, drain_timeout_s: float) -> asyncio.Task:
+        """Unload an instance on this worker's own decision (sharing=dedicated: another model is
+        to load here): it stops serving now, then is drained, stopped and reported as the
+        planner's UnloadModel would have it; the task returned ends once it stopped."""
+        effects = self.loading.step(instance_id, lifecycle.UnloadAsked(reason, (), drain_timeout_s, None))
+        if any(isinstance(e, lifecycle.StopHosting) for e in effects):
+            self.pipelines.stop_hosting(instance_id)
+
+        async def stop() -> None:
+            await self.loading.run(instance_id, effects)
+            if not await self.loading.stopped(instance_id, drain_timeout_s + 10.0):
+                log.warning("instance %s did not stop within %.0f s of its unload", instance_id,
+                            drain_timeout_s + 10.0)
+
+        return self.spawn(stop())
 
     def _subscribe(self) -> None:
         b = self.broker

@@ -5,10 +5,15 @@ The worker calls its strategy where sharing matters, and never asks which one it
 load's engine is sized and charged (`charge_load`), an attached instance is taken in
 (`attached`), a loaded one profiled (`loaded`), a request admitted (`admit`, then `fit_kv` once
 registered) and ended (`request_ended`), an instance's engine released as it stops
-(`release`), plus the background refreshes the strategy runs (`periodic`).
+(`release`), room made for a load (`make_room`, before it starts), plus the background
+refreshes the strategy runs (`periodic`).
 
 - ``exclusive``: engines step in turn on fixed KV caches; every request is admitted; nothing
   is charged.
+- ``dedicated``: one model per worker at a time (ServerlessLLM's allocation, LLM-Mesh's
+  baseline): as exclusive, and before a load of a model starts, every instance here of another
+  model is unloaded (its requests in flight end first, within EVICT_DRAIN_TIMEOUT_S; new ones
+  are refused as the instance stops serving, and the gateway sends them elsewhere or waits).
 - ``mesh`` (LLM-Mesh): services/worker/mesh.py's MeshNode and the MemoryOrchestrator of
   services/worker/memory.py: one headroom schedule, admission by shadow validation (with
   preemption), elastic KV within the worker's memory budget.
@@ -16,12 +21,15 @@ registered) and ended (`request_ended`), an instance's engine released as it sto
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from faststream.nats import NatsBroker
+from prometheus_client import Counter
 
 from libs.checkpoint import CheckpointIndex
 from libs.engine import Engine
@@ -39,6 +47,14 @@ from services.worker.mesh import (
     Slo,
 )
 from services.worker.runtime import Schedule
+
+DEDICATED_UNLOADS = Counter("layercast_worker_dedicated_unloads_total",
+                            "Instances unloaded to load another model (sharing=dedicated)")
+# How long an instance unloaded for another model (sharing=dedicated) may take to finish its
+# requests in flight: the planner's drain timeout (UnloadModel's default). Past it they fail.
+EVICT_DRAIN_TIMEOUT_S = 30.0
+
+log = logging.getLogger(__name__)
 
 # (period in seconds, the refresh, what it is for the logs): run by the worker's `every`
 Periodic = tuple[float, Callable[[], Awaitable[object]], str]
@@ -110,6 +126,11 @@ class Sharing(Protocol):
 
     async def request_ended(self, instance_id: str) -> None: ...
 
+    async def make_room(self, instance_id: str, model: str) -> None:
+        """A load of `model` (instance `instance_id`) is about to start here (dedicated: what
+        else this worker holds is unloaded first)."""
+        ...
+
 
 class SharingConfig(MeshConfig, Protocol):
     """The worker settings a strategy reads (WorkerConfig has them)."""
@@ -130,6 +151,13 @@ class WorkerPorts:
     engine_thread: Callable[[], EngineThread]  # the engine thread, once the worker started it
     blocks_in_engine: Callable[[str], dict[int, torch.Tensor]]  # model -> blocks its loads made ready
     memory_capacity: Callable[[], int]  # the bytes its engines may hold (asked only by a strategy that budgets)
+    # instance id -> model, every instance here (loading, serving or draining) that has not stopped
+    residents: Callable[[], Mapping[str, str]] = dict
+    # the instances here whose unload was asked (draining, or a load being cancelled): not stopped yet
+    stopping: Callable[[], Collection[str]] = frozenset
+    # unload an instance (reason, drain timeout): it stops serving at once (before this returns);
+    # the awaitable returned ends once it stopped
+    unload: Callable[[str, str, float], Awaitable[None]] | None = None
 
 
 class ExclusiveSharing:
@@ -167,6 +195,36 @@ class ExclusiveSharing:
 
     async def request_ended(self, instance_id: str) -> None:
         pass
+
+    async def make_room(self, instance_id: str, model: str) -> None:
+        pass
+
+
+class DedicatedSharing(ExclusiveSharing):
+    """One model per worker at a time: before a load of model B starts, every instance here of
+    another model is unloaded (drained of its requests in flight, then stopped); B's load waits
+    for that. Otherwise as exclusive."""
+
+    def __init__(self, config: SharingConfig, ports: WorkerPorts):
+        super().__init__(config, ports)
+        self.ports = ports
+        self._room = asyncio.Lock()  # one load makes room at a time: two never both find the worker free
+
+    async def make_room(self, instance_id: str, model: str) -> None:
+        # Decided one load at a time (two loads never both find the worker free), but waited for
+        # outside the lock: a load that another one unloads meanwhile (it is cancelled) must
+        # reach its next step, which ends it, while that other load waits for it.
+        async with self._room:
+            residents = self.ports.residents()
+            if instance_id not in residents or instance_id in self.ports.stopping():
+                return  # unloaded while it waited (another model's load): its load ends at its next step
+            others = sorted(iid for iid, held in residents.items() if iid != instance_id and held != model)
+            if others:
+                log.info("sharing=dedicated: unloading %s to load %s (%s)", ", ".join(others), model, instance_id)
+            stops = [self.ports.unload(iid, f"unloaded for {model} (sharing=dedicated)", EVICT_DRAIN_TIMEOUT_S)
+                     for iid in others]
+            DEDICATED_UNLOADS.inc(len(others))
+        await asyncio.gather(*stops)
 
 
 class MeshSharing:
@@ -235,11 +293,15 @@ class MeshSharing:
     async def request_ended(self, instance_id: str) -> None:
         await self.node.request_ended(instance_id)
 
+    async def make_room(self, instance_id: str, model: str) -> None:
+        pass
+
 
 # name -> factory; the names are libs.planning.sharing.SHARINGS' (a test checks they agree)
 STRATEGIES: dict[str, Callable[[SharingConfig, WorkerPorts], Sharing]] = {
     "exclusive": ExclusiveSharing,
     "mesh": MeshSharing,
+    "dedicated": DedicatedSharing,
 }
 
 

@@ -43,6 +43,7 @@ def test_bench_mesh_tiny(tmp_path):
     cmd = [sys.executable, "-c", "from services.cli import main; main()", "bench", "mesh", "--trace", trace,
            "--models", "2",
            "--workers", "1", "--trials", "1", "--duration-s", "4", "--rps", "2", "--max-prompt-tokens", "32",
+           "--settings", "exclusive,mesh",
            "--max-output-tokens", "6", "--json", "--plot", str(plot), "--state-dir", str(tmp_path / "state")]
     # From another directory: the trace is found relative to the checkout, not the cwd.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -53,6 +54,10 @@ def test_bench_mesh_tiny(tmp_path):
     report = json.loads(lines[0])
 
     assert {r["sharing"] for r in report["results"]} == {"mesh", "exclusive"}
+    # a fixed rate: its multiple of the capacity measured at the start is reported beside it
+    offered = report["offered_load"]
+    assert offered["rps"] == 2 and offered["capacity_rps"] > 0
+    assert offered["multiple_of_capacity"] == round(2 / offered["capacity_rps"], 4)
     assert report["median_of"] == 1 and len(report["trials"]) == 2
     assert "CC-BY-4.0" in report["attribution"] or trace != "code"
     n = report["workload"]["requests"]

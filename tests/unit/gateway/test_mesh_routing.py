@@ -71,7 +71,7 @@ def test_the_mesh_choice_is_free_and_no_free_route_is_preferred_to_it(specs):
 
 
 def test_sharing_must_be_exclusive_or_mesh():
-    with pytest.raises(ValueError, match="sharing must be one of exclusive, mesh"):
+    with pytest.raises(ValueError, match="sharing must be one of exclusive, mesh, dedicated"):
         ModelRoutes("m", max_queue=1, slots_per_instance=1, sharing="shared")
     with pytest.raises(ValueError, match="got 'spread'"):
         GatewayConfig(sharing="spread")

@@ -7,7 +7,7 @@ from libs.planning.sharing import SHARINGS, sharing_setting
 
 
 def test_an_unknown_sharing_name_names_the_known_ones():
-    with pytest.raises(ValueError, match="sharing must be one of exclusive, mesh, got 'spread'"):
+    with pytest.raises(ValueError, match="sharing must be one of exclusive, mesh, dedicated, got 'spread'"):
         sharing_setting("spread")
 
 

@@ -10,7 +10,16 @@ from libs.planning.sharing import SHARINGS
 from libs.protocol import messages as m
 from services.worker.loading import Instance
 from services.worker.service import WorkerConfig, WorkerService
-from services.worker.sharing import STRATEGIES, EngineSizing, ExclusiveSharing, MeshSharing, WorkerPorts, make_sharing
+from services.worker.sharing import (
+    EVICT_DRAIN_TIMEOUT_S,
+    STRATEGIES,
+    DedicatedSharing,
+    EngineSizing,
+    ExclusiveSharing,
+    MeshSharing,
+    WorkerPorts,
+    make_sharing,
+)
 
 
 @dataclass
@@ -69,7 +78,7 @@ def test_every_sharing_setting_has_a_worker_strategy():
 
 
 def test_an_unknown_sharing_name_is_a_clear_error():
-    with pytest.raises(ValueError, match="sharing must be one of exclusive, mesh, got 'spread'"):
+    with pytest.raises(ValueError, match="sharing must be one of exclusive, mesh, dedicated, got 'spread'"):
         make_sharing(_Config(sharing="spread"), _Ports().ports())
 
 
@@ -149,8 +158,44 @@ async def test_mesh_releases_a_charged_instance_with_its_engine_and_only_detache
 
 
 def test_the_worker_takes_the_strategy_of_its_sharing_setting():
-    with pytest.raises(ValueError, match="sharing must be one of exclusive, mesh, got 'spread'"):
+    with pytest.raises(ValueError, match="sharing must be one of exclusive, mesh, dedicated, got 'spread'"):
         WorkerService(WorkerConfig("w-spread", sharing="spread"))
     assert isinstance(WorkerService(WorkerConfig("w-exclusive")).sharing, ExclusiveSharing)
     mesh = WorkerService(WorkerConfig("w-mesh", sharing="mesh", memory_capacity_bytes=1 << 30)).sharing
     assert isinstance(mesh, MeshSharing) and mesh.memory.capacity == 1 << 30
+
+
+async def test_dedicated_unloads_every_other_model_before_a_load_and_nothing_else():
+    unloaded: list[tuple[str, str, float]] = []
+    residents = {"i-a": "a", "i-c": "c", "i-b-old": "b", "i-b": "b", "i-d": "d"}
+    stopping = {"i-d"}
+
+    def unload(iid: str, reason: str, drain_s: float):
+        unloaded.append((iid, reason, drain_s))  # it stops serving now; the stop is awaited
+
+        async def stopped() -> None:
+            residents.pop(iid)
+        return stopped()
+
+    ports = WorkerPorts(broker=None, instances={}, requests={}, engine_thread=lambda: None,
+                        blocks_in_engine=lambda model: {}, memory_capacity=lambda: 1 << 30,
+                        residents=lambda: dict(residents), stopping=lambda: set(stopping), unload=unload)
+    dedicated = make_sharing(_Config(sharing="dedicated"), ports)
+    assert isinstance(dedicated, DedicatedSharing) and dedicated.schedule == "turns"
+    await dedicated.make_room("i-b", "b")
+    # a, c and d go (drained first, within the planner's drain timeout); b's own instances stay
+    # (d's unload was asked already: waited for all the same)
+    assert sorted(iid for iid, _, _ in unloaded) == ["i-a", "i-c", "i-d"]
+    assert all("sharing=dedicated" in why and drain == EVICT_DRAIN_TIMEOUT_S for _, why, drain in unloaded)
+    assert set(residents.values()) == {"b"}
+    residents["i-b2"] = "b"
+    await dedicated.make_room("i-b2", "b")  # the worker holds b only: nothing more to unload
+    assert len(unloaded) == 3
+    # a load that another model's load unloaded (cancelled) while it waited to make room unloads nothing
+    residents.update({"i-c2": "c", "i-d": "d"})
+    await dedicated.make_room("i-d", "d")
+    assert len(unloaded) == 3
+    # exclusive and mesh never unload to make room
+    for name in ("exclusive", "mesh"):
+        await make_sharing(_Config(sharing=name), ports).make_room("i-x", "x")
+    assert len(unloaded) == 3
