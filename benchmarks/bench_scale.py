@@ -12,6 +12,7 @@ emulated rates (network multicast bound, disk bound, or 0 for `ideal`) in the sa
 from __future__ import annotations
 
 import asyncio
+import re
 import statistics
 import sys
 import threading
@@ -400,6 +401,7 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
         end = time.time()
         time.sleep(1.0)  # the tokens/s of the scaled-out cluster, briefly
         counter.stop()
+        splits = live_pair_splits(_worker_pages(h)) if overload_rps else {}
         if burst or overload_rps:  # the timeline runs until the burst's last token, however long after the scale-out
             end = max([end, *counter.stamps])
         # Transfer reports may land after the last instance loaded: read the record again.
@@ -419,7 +421,7 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
                 first_block_s=None if first is None else first - decided,
                 # one block's load time on the emulated link
                 layer_load_s=(sum(block_bytes) / len(block_bytes)) / (link * 1e6 / 8) if link else None,
-                warm=warm, timings=t)
+                warm=warm, timings=t) | {"live_pair_splits": splits}
         return {"mode": mode, "plan": op["plan"], "first_byte_s": None if first is None else first - decided,
                 **burst_times,
                 "instance_ready_s": loaded, "all_ready_s": all_ready, "bound_s": bound,
@@ -431,14 +433,42 @@ def run_once(mode: str, *, workers: int, from_n: int, to_n: int, model_path: Pat
                 "model_bytes": model_bytes}
 
 
+SPLITS_METRIC = "layercast_worker_live_pair_prefill_batches_total"
+
+
+def live_pair_splits(pages: list[str]) -> dict[str, int]:
+    """Prefill batches the workers' live-pair sources split, "policy:blocks on the target" ->
+    count, summed over the workers' Prometheus pages."""
+    out: dict[str, int] = {}
+    for page in pages:
+        for labels, value in re.findall(rf"^{SPLITS_METRIC}{{([^}}]*)}} (\S+)$", page, re.MULTILINE):
+            got = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            key = f"{got['policy']}:{got['blocks']}"
+            out[key] = out.get(key, 0) + int(float(value))
+    return dict(sorted(out.items(), key=lambda kv: (kv[0].split(":")[0], int(kv[0].split(":")[1]))))
+
+
+def _worker_pages(h) -> list[str]:
+    pages = []
+    for p in h.state.processes:
+        if p.name.startswith("worker") and p.health_url:
+            try:
+                pages.append(httpx.get(p.health_url.replace("/health", "/metrics"), timeout=5).text)
+            except httpx.HTTPError:
+                pass
+    return pages
+
+
 def overload_comparison(by: dict[str, dict]) -> dict:
-    """p90 ratios of the requests sent during the scale-out: blitzscale / blitzscale-nopairs and
-    each mode / ideal (the issue's criterion: blitzscale / blitzscale-nopairs <= 0.7)."""
+    """Ratios of the requests sent during the scale-out, p90 and worst: blitzscale /
+    blitzscale-nopairs, blitzscale / blitzscale-fixed (ZigZag at run time against a fixed
+    split) and each mode / ideal (the issue's criterion: blitzscale / blitzscale-nopairs <= 0.7)."""
     def p90(mode: str, key: str) -> float | None:
         return ((by.get(mode) or {}).get("overload_latency") or {}).get(key)
     out = {}
-    for key in ("first_token_p90_s", "last_token_p90_s"):
-        pairs = [("blitzscale", "blitzscale-nopairs"), *((mode, "ideal") for mode in by if mode != "ideal")]
+    for key in ("first_token_p90_s", "last_token_p90_s", "first_token_max_s", "last_token_max_s"):
+        pairs = [("blitzscale", "blitzscale-nopairs"), ("blitzscale", "blitzscale-fixed"),
+                 *((mode, "ideal") for mode in by if mode != "ideal")]
         for mine, other in pairs:
             a, b = p90(mine, key), p90(other, key)
             if a is not None and b:
@@ -448,7 +478,8 @@ def overload_comparison(by: dict[str, dict]) -> dict:
 
 BURST_KEYS = ("burst_first_token_s", "new_capacity_first_token_s")
 TRIAL_KEYS = ("first_byte_s", "all_ready_s", *BURST_KEYS, "bound_s", "ratio_to_bound", "timings_s", "burst_requests",
-              "overload_latency", "first_rise_s", "first_rise_layer_loads", "pair_events_s", "error")
+              "overload_latency", "first_rise_s", "first_rise_layer_loads", "pair_events_s", "live_pair_splits",
+              "error")
 
 
 def failed_trial(mode: str, error: str) -> dict:
@@ -497,8 +528,8 @@ def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: in
     by = {r["mode"]: r for r in results}
     comparison = {}
     if "layercast" in by and by["layercast"]["all_ready_s"]:
-        for other in ("serverlessllm", "faasnet", "binomial", "chain", "chain-blind", "blitzscale", "blitzscale-nopairs",
-                      "ideal"):
+        for other in ("serverlessllm", "faasnet", "binomial", "chain", "chain-blind", "blitzscale", "blitzscale-fixed",
+                      "blitzscale-nopairs", "ideal"):
             if other in by and by[other]["all_ready_s"]:
                 comparison[f"{other}_over_layercast_all_ready"] = by[other]["all_ready_s"] / by["layercast"]["all_ready_s"]
     if burst and "layercast" in by:

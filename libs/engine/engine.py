@@ -133,6 +133,10 @@ class _Pass:
         return [r.key for r in self.requests]  # the rows' KV slot names on the stages
 
 
+# What a live pair's target failing looks like to its source (the pass then runs locally).
+_PAIR_FAILURES = (ConnectionError, TimeoutError, RuntimeError)
+
+
 def _split(items: list, parts: int) -> list[list]:
     """`items` in at most `parts` contiguous groups whose sizes differ by one at most."""
     parts = min(parts, len(items))
@@ -508,7 +512,7 @@ class Engine:
         on to a remote stage as soon as it leaves the one before (stage servers queue calls
         in order), and local stages compute while remote ones do."""
         if self._front is not None:  # a live pair's source: one local stage
-            return [self._forward_split(p) if p.prefill else self._forward(p.ids, p.inputs, p.q_len) for p in passes]
+            return self._run_paired(passes)
         if self.micro_batches == 1 or len(passes) < 2:
             return [self._forward(p.ids, p.inputs, p.q_len) for p in passes]
         last = len(self.stages) - 1
@@ -573,25 +577,44 @@ class Engine:
     def paired(self) -> bool:
         return self._front is not None
 
-    def _forward_split(self, p: _Pass) -> torch.Tensor:
-        """A prefill pass of a live pair's source: rows grouped by their split; a group with k > 0
-        runs blocks [0, k) on the front, which hands back the hidden state and their KV, and
-        [k, n) here over that KV."""
+    def _run_paired(self, passes: list[_Pass]) -> list[torch.Tensor]:
+        """A live pair's source's passes: rows of a prefill grouped by their split; a group with
+        k > 0 runs blocks [0, k) on the front, which hands back the hidden state and their KV,
+        and [k, n) here over that KV. Every prefill's front is sent first (a remote front
+        answers later: `submit`), so the target computes while this engine runs the step's
+        decode passes; the source does not wait idle for the blocks it lent out."""
         stage = self.stages[0]
-        try:
-            return self._forward_split_pass(stage, p)
-        except (ConnectionError, TimeoutError, RuntimeError) as e:
-            # The target failed or is gone: the pass runs here. Every chunk already split left its
-            # front KV here, so the source's cache is whole up to this pass (nothing half-written:
-            # forward_rest writes only after the front answered).
-            log.warning("live pair's target failed (%s): the source runs every block from now", e)
-            self.pair_error = str(e)
-            self._front, self._splitter, self._split_of = None, None, {}
-            if self._on_lost is not None:
-                self._on_lost(str(e))
-            return self._forward(p.ids, p.inputs, p.q_len)
+        started: dict[int, tuple[dict[int, list[int]], dict[int, Callable[[], tuple[torch.Tensor, torch.Tensor]]]]] = {}
+        for i, p in enumerate(passes):
+            if p.prefill and self._front is not None:
+                try:
+                    started[i] = self._start_split(p)
+                except _PAIR_FAILURES as e:
+                    self._lost(e)
+        out: list[torch.Tensor] = []
+        for i, p in enumerate(passes):
+            if i in started and self._front is not None:
+                try:
+                    out.append(self._finish_split(stage, p, *started[i]))
+                    continue
+                except _PAIR_FAILURES as e:
+                    self._lost(e)
+            # A decode pass, or the target failed or is gone: the pass runs here. Every chunk already
+            # split left its front KV here, so the source's cache is whole up to this pass (nothing
+            # half-written: forward_rest writes only after the front answered).
+            out.append(self._forward(p.ids, p.inputs, p.q_len))
+        return out
 
-    def _forward_split_pass(self, stage: LocalStage, p: _Pass) -> torch.Tensor:
+    def _lost(self, e: BaseException) -> None:
+        log.warning("live pair's target failed (%s): the source runs every block from now", e)
+        self.pair_error = str(e)
+        self._front, self._splitter, self._split_of = None, None, {}
+        if self._on_lost is not None:
+            self._on_lost(str(e))
+
+    def _start_split(self, p: _Pass):
+        """Split the pass's new prefills, open them on the front, and send each group's front."""
+        stage = self.stages[0]
         # Only a prefill from an empty cache splits (the front's KV would miss earlier positions).
         new = [r.key for r in p.requests if r.key not in self._split_of and stage.length(r.key) == 0]
         if new:
@@ -606,14 +629,26 @@ class Engine:
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(p.requests):
             groups.setdefault(self._split_of.get(r.key, 0), []).append(i)
-        # Every front first: a target that fails leaves the source's cache untouched by this pass.
-        fronts = {blocks: self._front.forward([p.ids[i] for i in rows], p.inputs[rows], p.q_len, blocks)
-                  for blocks, rows in groups.items() if blocks}
+        front, submit = self._front, getattr(self._front, "submit", None)
+        fronts = {}
+        for blocks, rows in groups.items():
+            if blocks:
+                args = ([p.ids[i] for i in rows], p.inputs[rows], p.q_len, blocks)
+                if submit is not None:  # answered later: result() waits for it
+                    fronts[blocks] = submit(*args).result
+                else:  # a front in this process: computed now
+                    done = front.forward(*args)
+                    fronts[blocks] = lambda done=done: done
+        return groups, fronts
+
+    def _finish_split(self, stage: LocalStage, p: _Pass, groups: dict[int, list[int]], fronts) -> torch.Tensor:
+        # Every front's answer first: a target that fails leaves the source's cache untouched by this pass.
+        answers = {blocks: result() for blocks, result in fronts.items()}
         out: torch.Tensor | None = None
         for blocks, rows in groups.items():
             ids, x = [p.ids[i] for i in rows], p.inputs[rows]
             if blocks:
-                hidden, kv = fronts[blocks]
+                hidden, kv = answers[blocks]
                 logits = stage.forward_rest(ids, hidden, p.q_len, kv, blocks, logits_to_keep=1)
             else:
                 logits = stage.forward(ids, x, p.q_len, logits_to_keep=1)

@@ -12,11 +12,14 @@ request's front KV only while its prefill runs (a later chunk attends to the ear
 forgets it at the end: the pair dissolves by just ending, nothing of any request left there.
 
 `RemoteFront` reaches a target's `PrefillFront` hosted by its StageServer over the data
-plane's message channel (the execution pipelines' activations transport).
+plane's message channel (the execution pipelines' activations transport); its `submit` sends a
+front without waiting, so the source's engine runs the step's decode passes while the target
+computes (Engine._run_paired).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Protocol
 
 import torch
@@ -132,11 +135,30 @@ class RemoteFront:
 
     def forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, blocks: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        flat = self.stage.front(request_ids, inputs, q_len, blocks)
-        rows = len(request_ids)
+        return self.submit(request_ids, inputs, q_len, blocks).result()
+
+    def submit(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, blocks: int) -> "FrontCall":
+        """The front call sent without waiting: the source computes meanwhile; result() waits."""
+        return FrontCall(self, self.stage.submit_front(request_ids, inputs, q_len, blocks), len(request_ids), q_len,
+                         blocks)
+
+    def _cut(self, flat: torch.Tensor, rows: int, q_len: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         n_hidden = rows * q_len * self.hidden_size
         hidden = flat[:n_hidden].view(rows, q_len, self.hidden_size)
         kv = flat[n_hidden:].view(2, front_layers(self.index, blocks), rows, self.kv_heads, q_len, self.head_dim)
         return hidden, kv
 
 
+class FrontCall:
+    """A RemoteFront call in flight: result() waits for the reply (at most the stage's timeout)."""
+
+    def __init__(self, front: RemoteFront, future: concurrent.futures.Future, rows: int, q_len: int, blocks: int):
+        self.front, self.future, self.rows, self.q_len, self.blocks = front, future, rows, q_len, blocks
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            flat = self.future.result(self.front.stage.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"no reply from the live pair's front {self.front.stage.stage_id} within "
+                               f"{self.front.stage.timeout_s}s") from None
+        return self.front._cut(flat, self.rows, self.q_len, self.blocks)

@@ -325,6 +325,11 @@ class RemoteStage:
         """A live pair's front call (a PrefillFront hosted there): hidden state and KV, flattened."""
         return self._call({"op": "front", "request_ids": request_ids, "q_len": q_len, "blocks": blocks}, inputs)
 
+    def submit_front(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, blocks: int
+                     ) -> concurrent.futures.Future:
+        """`front` sent without waiting (the stage server answers calls in order)."""
+        return self._submit({"op": "front", "request_ids": request_ids, "q_len": q_len, "blocks": blocks}, inputs)
+
     def submit(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, logits_to_keep: int = 0
                ) -> concurrent.futures.Future:
         """A forward pass sent without waiting: the engine keeps other micro-batches moving

@@ -18,8 +18,14 @@ from libs.protocol import messages as m
 
 from .zigzag import ZigZagQueue
 
-__all__ = ["LivePair", "PrefillSplitter", "Receiving", "Serving", "choose_live_pairs", "form_live_pair",
-           "leading_blocks"]
+__all__ = ["SPLIT_POLICIES", "LivePair", "PrefillSplitter", "Receiving", "Serving", "choose_live_pairs",
+           "form_live_pair", "leading_blocks"]
+
+# How a live pair's source splits its prefill batches: "zigzag", per batch at run time over the
+# ZigZag queue (the split grows with the blocks the target holds); "fixed", the comparison
+# (BlitzScale Fig. 15a's best-effort, fixed per pair): the first batch the target can take
+# runs what it holds then (capped), and so does every later batch.
+SPLIT_POLICIES = ("zigzag", "fixed")
 
 
 def leading_blocks(in_engine: Iterable[int]) -> int:
@@ -39,9 +45,14 @@ class PrefillSplitter:
     target, still receiving, is the bottleneck), and the source then pulls it with the blocks
     done. The hand-off here is synchronous (the source asks for a batch's front when it runs
     the batch), so one batch is in the queue at a time and the split is what the target holds
-    when the batch starts, capped; it grows as blocks arrive (`held`)."""
+    when the batch starts, capped; it grows as blocks arrive (`held`). `policy="fixed"` is the
+    comparison (SPLIT_POLICIES): the first split above 0 is kept for every later batch."""
 
-    def __init__(self, n_blocks: int, held: int = 0, cap: int | None = None):
+    def __init__(self, n_blocks: int, held: int = 0, cap: int | None = None, policy: str = "zigzag"):
+        if policy not in SPLIT_POLICIES:
+            raise ValueError(f"unknown split policy {policy!r}; choose from {', '.join(SPLIT_POLICIES)}")
+        self.policy = policy
+        self._fixed: int | None = None  # policy "fixed": the split, once the target could take a batch
         if n_blocks < 2:
             raise ValueError(f"a live pair needs a model of at least 2 blocks, got {n_blocks}")
         self.n_blocks = n_blocks
@@ -52,12 +63,20 @@ class PrefillSplitter:
         self._batches = itertools.count()
         self.splits: list[int] = []  # every decision, in order
 
+    @property
+    def fixed(self) -> int | None:
+        """Policy "fixed", once decided: the split every batch gets; None otherwise."""
+        return self._fixed
+
     def held(self, n_leading_blocks: int) -> None:
         """The target now holds blocks 0..n-1 (never fewer than before)."""
         self.queue.set_loaded(n_leading_blocks)
 
     def __call__(self, request_ids: Sequence[str] = ()) -> int:
         """The split of the next batch: blocks [0, k) on the target, [k, n) on the source."""
+        if self.policy == "fixed" and self._fixed is not None:
+            self.splits.append(self._fixed)
+            return self._fixed
         batch = next(self._batches)
         self.queue.push(batch)
         while self.queue.executed(batch) < self.cap:
@@ -66,6 +85,8 @@ class PrefillSplitter:
             self.queue.target_done(batch)
         pulled = self.queue.pull_for_source()
         assert pulled is not None and pulled[0] == batch
+        if self.policy == "fixed" and pulled[1]:
+            self._fixed = pulled[1]
         self.splits.append(pulled[1])
         return pulled[1]
 

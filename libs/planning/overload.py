@@ -16,15 +16,17 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def window_latencies(requests: list[tuple[float, float | None, float | None]], t_start: float,
                      t_end: float) -> dict:
-    """p50/p90 of send -> first token and send -> last token over the requests sent in
-    [t_start, t_end] (each request: sent, first token, last token; None: it got no token)."""
+    """p50/p90 and the worst (max) of send -> first token and send -> last token over the
+    requests sent in [t_start, t_end] (each request: sent, first token, last token; None: it
+    got no token)."""
     inside = [(s, f, last) for s, f, last in requests if t_start <= s <= t_end]
     done = [(s, f, last) for s, f, last in inside if f is not None and last is not None]
     first = [f - s for s, f, _ in done]
     whole = [last - s for s, _, last in done]
     return {"requests": len(inside), "without_token": len(inside) - len(done),
             "first_token_p50_s": percentile(first, 0.5), "first_token_p90_s": percentile(first, 0.9),
-            "last_token_p50_s": percentile(whole, 0.5), "last_token_p90_s": percentile(whole, 0.9)}
+            "last_token_p50_s": percentile(whole, 0.5), "last_token_p90_s": percentile(whole, 0.9),
+            "first_token_max_s": max(first, default=None), "last_token_max_s": max(whole, default=None)}
 
 
 def first_rise_s(timeline: list[float], step_s: float, after_s: float, baseline: float,

@@ -25,7 +25,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from libs.planning.pipelines import FormedPipeline, pipelines_to_form, pipelines_to_retire
-from libs.planning.scaleout import ScaleIn, ScalePlan, target_load
+from libs.planning.scaleout import ScaleIn, ScalePlan, mode_spec, target_load
 from libs.protocol import messages as m
 
 __all__ = [
@@ -817,7 +817,8 @@ def _form_pair(op: ScaleOp, target_iid: str) -> tuple[ScaleOp, list[Effect]]:
         return op, []
     form = m.FormLivePair(model=op.model.name, path=op.model.path, source_instance=pair.source_instance,
                           source_worker=pair.source_worker, target_instance=target_iid,
-                          target_worker=pair.target_worker, peers=dict(pair.peers), scale_op_id=op.op_id)
+                          target_worker=pair.target_worker, peers=dict(pair.peers), scale_op_id=op.op_id,
+                          split=mode_spec(op.model.scaling_mode).live_pair_split)
     return _pair_state(op, target_iid, "forming"), [FormPair(form)]
 
 

@@ -18,6 +18,9 @@ run in the same system as layercast (:data:`MODES`):
   pairs with a chain target still receiving the model (the slowest first,
   :func:`plan_live_pairs`) and runs its prefills' first blocks there until the target holds
   every block; its deployments get the ``threshold`` policy unless they name one;
+- ``blitzscale-fixed``: ``blitzscale`` whose live pairs split every prefill batch as the first
+  one (what the target held then: a fixed best-effort split) instead of ZigZag's per-batch
+  choice at run time (the comparison for ZigZag, Fig. 15);
 - ``blitzscale-nopairs``: ``blitzscale`` without live pairs (the comparison);
 - ``binomial`` (λScale's multicast, serving only on complete copies: the baseline for
   pipelines): k-way binomial pipeline, k = the number of sources;
@@ -164,6 +167,7 @@ class ModeSpec:
     # BlitzScale §5.2: a scale-out pairs the model's serving instances with chain targets still
     # receiving it (plan_live_pairs); the targets load stop-the-world (serve_while_loading=False).
     live_pairs: bool = False
+    live_pair_split: str = "zigzag"  # how a pair's source splits its prefill batches (livepair.SPLIT_POLICIES)
     # The load-monitor's policy a deployment of this mode gets when it names none (deploy_policy),
     # with these parameters where it gives none; None: the deploy's own default (concurrency).
     default_policy: str | None = None
@@ -182,6 +186,8 @@ MODES: dict[str, ModeSpec] = {
     "chain-blind": ModeSpec(multicast=_every_source("chain-blind")),  # the same, blind to leaves: the baseline
     "blitzscale": ModeSpec(multicast=_every_source("chain"), serve_while_loading=False, live_pairs=True,
                            **_BLITZSCALE_POLICY),
+    "blitzscale-fixed": ModeSpec(multicast=_every_source("chain"), serve_while_loading=False, live_pairs=True,
+                                 live_pair_split="fixed", **_BLITZSCALE_POLICY),
     "blitzscale-nopairs": ModeSpec(multicast=_every_source("chain"), serve_while_loading=False, **_BLITZSCALE_POLICY),
     "binomial": ModeSpec(multicast=_every_source("binomial"), serve_while_loading=False),
     "faasnet": ModeSpec(multicast=_one_source("binary-tree")),

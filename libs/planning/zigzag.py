@@ -39,6 +39,7 @@ __all__ = [
     "live_pair_split",
     "zigzag_ilp",
     "best_effort_configs",
+    "fixed_split_configs",
     "simulate_live_pair",
     "ZigZagQueue",
     "simulate_zigzag_queue",
@@ -221,6 +222,19 @@ def best_effort_configs(n_batches: int, n_layers: int, load_time_per_layer: floa
         out.append((tgt, n_layers - tgt))
         t += tgt
     return out
+
+
+def fixed_split_configs(n_batches: int, n_layers: int, load_time_per_layer: float) -> list[tuple[int, int]]:
+    """A fixed best-effort split: the first batch takes what the target holds (≤ half), every
+    later batch the same, whatever lands meanwhile (``PrefillSplitter(policy="fixed")`` at run
+    time: its k is frozen at the first batch the target can take).
+
+    Under this module's time model the target holds layer 1 at t = 0, so every batch runs
+    (min(1, ⌊L/2⌋), ...): Fig. 15a's "(1, 6)" for all seven requests, the 7th included.
+    """
+    _check(n_batches, n_layers, load_time_per_layer)
+    k = min(n_layers // 2, _layers_loaded(0.0, n_layers, load_time_per_layer))
+    return [(k, n_layers - k)] * n_batches
 
 
 # ---------------------------------------------------------------------------

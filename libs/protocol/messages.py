@@ -128,8 +128,8 @@ class BlockInfo(BaseModel):
 
 # How a deployment scales out (libs.planning.scaleout): layercast's own choice, or a
 # baseline run in the same system.
-ScalingMode = Literal["layercast", "chain", "chain-blind", "blitzscale", "blitzscale-nopairs", "binomial", "faasnet",
-                      "serverlessllm", "static", "ideal"]
+ScalingMode = Literal["layercast", "chain", "chain-blind", "blitzscale", "blitzscale-fixed", "blitzscale-nopairs",
+                      "binomial", "faasnet", "serverlessllm", "static", "ideal"]
 # The multicast algorithms' names (libs.planning.multicast.MULTICAST_ALGORITHMS), as plans,
 # scale-operation records (plan.algorithm) and TransferParts carry them; the registry also
 # reads the aliases it lists ("kway" for binomial from k sources).
@@ -589,6 +589,9 @@ class FormLivePair(Message):
     # Blocks a batch may run on the target at most (None: half the model, BlitzScale's best-effort cap).
     max_target_blocks: int | None = Field(default=None, ge=1)
     scale_op_id: str | None = None
+    # How the source splits each prefill batch (libs.planning.livepair.SPLIT_POLICIES): "zigzag"
+    # at run time, or "fixed" (the first split the target allows, kept: the comparison).
+    split: Literal["zigzag", "fixed"] = "zigzag"
 
     @model_validator(mode="after")
     def _two_workers(self) -> "FormLivePair":

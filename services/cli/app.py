@@ -222,7 +222,8 @@ def _policy_params(pairs: list[str]) -> dict[str, float]:
 def deploy(name: str, path: Path, min_instances: int = 0, max_instances: int = 4, keep_alive: float = 60.0,
            state_dir: Path = StateDir, gateway_url: str = GatewayUrl, admin_key: str = AdminKey,
            scaling_mode: str = typer.Option("layercast", help="layercast | chain | chain-blind | blitzscale | "
-                                                                 "blitzscale-nopairs | binomial | faasnet | "
+                                                                 "blitzscale-fixed | blitzscale-nopairs | "
+                                                                 "binomial | faasnet | "
                                                                  "serverlessllm | static | ideal"),
            policy: str = typer.Option(None, "--policy",
                                       help="The load-monitor's scaling policy: threshold | concurrency | slo "

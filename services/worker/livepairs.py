@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 from faststream.nats import NatsBroker
+from prometheus_client import Counter
 
 from libs.bus.broker import DomainError, call
 from libs.checkpoint import CheckpointIndex
@@ -33,6 +34,12 @@ from services.worker.loading import InstanceLoading
 from services.worker.pipelines import STAGE_TIMEOUT_S, PipelineStages, StageConfig
 
 log = logging.getLogger(__name__)
+
+# Every split a live pair's source chose for a batch of prefills (blocks: how many ran on the
+# target, 0: none), by its policy: what a pair offloaded, not just that it formed.
+SPLITS = Counter("layercast_worker_live_pair_prefill_batches_total",
+                 "Prefill batches of a live pair's source, by split policy and blocks run on the target",
+                 ["policy", "blocks"])
 
 
 def front_id(instance_id: str) -> str:
@@ -124,11 +131,14 @@ class LivePairs:
                             front_id(op.target_instance), slots=self.config.max_batch_size, timeout_s=STAGE_TIMEOUT_S)
         remote = RemoteFront(stage, index)
         splitter = PrefillSplitter(index.n_blocks, cap=min(op.max_target_blocks or index.n_blocks // 2,
-                                                           index.n_blocks - 1))
+                                                           index.n_blocks - 1), policy=op.split)
 
         def split(keys: list[str]) -> int:
-            splitter.held(remote.held())  # one round trip a batch: what the target holds now
-            return splitter(keys)
+            if splitter.fixed is None:  # zigzag: every batch; fixed: until its split is decided
+                splitter.held(remote.held())  # one round trip a batch: what the target holds now
+            blocks = splitter(keys)
+            SPLITS.labels(splitter.policy, str(blocks)).inc()
+            return blocks
 
         runtime = self.engine_thread()
         loop = asyncio.get_running_loop()
@@ -144,7 +154,8 @@ class LivePairs:
 
         await runtime.call(pair)
         self.splitters[iid] = splitter
-        log.info("live pair: %s offloads prefills to %s on %s", iid, op.target_instance, op.target_worker)
+        log.info("live pair: %s offloads prefills to %s on %s (split: %s)", iid, op.target_instance,
+                 op.target_worker, op.split)
 
     async def ended(self, iid: str, e: lifecycle.EndPair) -> None:
         """EndPair: stop this side's part; tell the other worker if this side ended it."""

@@ -80,3 +80,26 @@ def test_overload_comparisons_are_p90_ratios_pairs_over_nopairs_and_each_over_id
     assert c["blitzscale_over_ideal_first_token_p90_s"] == 2.0
     assert c["blitzscale-nopairs_over_ideal_last_token_p90_s"] == 2.5
     assert "ideal_over_ideal_first_token_p90_s" not in c
+
+
+def test_zigzag_against_the_fixed_split_is_compared_on_the_worst_request_too():
+    def mode(name: str, worst: float) -> dict:
+        return {"mode": name, "overload_latency": {"first_token_p90_s": 1.0, "first_token_max_s": worst}}
+    c = bench_scale.overload_comparison({r["mode"]: r for r in (mode("blitzscale", 3.0), mode("blitzscale-fixed", 4.0))})
+    assert c["blitzscale_over_blitzscale-fixed_first_token_max_s"] == 0.75
+
+
+def test_the_sources_splits_are_read_off_the_workers_metrics_pages():
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from services.worker.livepairs import SPLITS
+
+    pages = []
+    for counts in ({("zigzag", "2"): 3, ("zigzag", "10"): 1}, {("fixed", "1"): 4, ("zigzag", "2"): 1}):
+        registry = CollectorRegistry()  # one worker's page, the worker's own metric
+        c = Counter(SPLITS._name, SPLITS._documentation, SPLITS._labelnames, registry=registry)
+        for labels, n in counts.items():
+            c.labels(*labels).inc(n)
+        pages.append(generate_latest(registry).decode())
+    assert bench_scale.live_pair_splits(pages) == {"fixed:1": 4, "zigzag:2": 4, "zigzag:10": 1}
+    assert bench_scale.live_pair_splits(["# no pair here\n"]) == {}

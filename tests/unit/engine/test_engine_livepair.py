@@ -221,3 +221,41 @@ def test_a_remote_front_over_the_data_plane_gives_the_same_tokens(block_dir, alo
             assert front.passes >= len(PROMPTS) and front.kv.free_slots == front.kv.slots
         finally:
             server.close()
+
+
+class _Deferred(_Counted):
+    """A front that answers later (as a remote one does): `submit` sends, `result()` computes. It
+    notes the source's KV tokens at both ends, to see what the source ran in between."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.source_kv: list[tuple[int, int]] = []  # (at submit, at result) per call
+        self.engine: Engine | None = None
+
+    def _source_tokens(self) -> int:
+        return int(sum(self.engine.stages[0].kv.lengths))
+
+    def submit(self, request_ids, inputs, q_len, blocks):
+        at_submit = self._source_tokens()
+        front = self
+
+        class _Call:
+            def result(self):
+                out = front.forward(request_ids, inputs, q_len, blocks)
+                front.source_kv.append((at_submit, front._source_tokens()))
+                return out
+        return _Call()
+
+
+def test_the_source_decodes_while_the_target_runs_a_prefills_front(block_dir, alone):
+    """The step's decode passes run between sending a prefill's front and taking its answer, so
+    the source computes while the target does (it does not wait idle for the blocks it lent)."""
+    index, own = load_all(block_dir)
+    front = _Deferred(LayerRange(index, own, device="cpu"), slots=8, max_seq_len=64)
+    engine = source(block_dir)
+    front.engine = engine
+    engine.pair_with(front, lambda keys: 2)
+    assert staggered(engine) == alone
+    assert front.source_kv and len(front.source_kv) == len(front.calls)
+    # Requests were decoding when later prompts' fronts went out: their tokens landed in between.
+    assert any(after > before for before, after in front.source_kv)

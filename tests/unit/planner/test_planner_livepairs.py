@@ -53,6 +53,13 @@ async def test_a_blitzscale_scale_out_pairs_the_serving_instance_with_its_chain_
     assert record.timings[f"paired:{load.instance_id}"] <= record.timings[f"unpaired:{load.instance_id}"]
 
 
+async def test_each_blitzscale_mode_tells_both_workers_its_split_policy():
+    for mode, split in (("blitzscale", "zigzag"), ("blitzscale-fixed", "fixed")):
+        _, _, workers, _ = await _scale_out(mode)
+        forms = workers.of(m.FormLivePair)
+        assert len(forms) == 2 and {f.cmd.split for f in forms} == {split}, mode
+
+
 async def test_the_pairs_source_stopping_or_a_workers_loss_frees_the_pair_and_the_scale_out_goes_on():
     planner, registry, workers, op = await _scale_out()
     (target, load), = _loads(workers).items()

@@ -111,3 +111,18 @@ def test_a_pair_becomes_the_command_both_workers_get():
     with pytest.raises(ValueError):
         m.FormLivePair(model="m", path="/p", source_instance="a", source_worker="w", target_instance="b",
                        target_worker="w", peers={"w": "a:1"})
+
+
+def test_a_fixed_split_keeps_the_first_split_above_zero_and_an_unknown_policy_is_refused():
+    split = PrefillSplitter(n_blocks=8, policy="fixed")
+    assert split() == 0 and split.fixed is None  # nothing held yet: no split decided
+    split.held(2)
+    assert split() == 2 and split.fixed == 2
+    split.held(6)
+    assert [split(), split()] == [2, 2]  # blocks landed; the split stays
+    assert split.splits == [0, 2, 2, 2]
+    zigzag = PrefillSplitter(n_blocks=8, held=2)
+    zigzag.held(6)
+    assert zigzag() == 4 and zigzag.fixed is None  # ZigZag's grows (up to half the model)
+    with pytest.raises(ValueError, match="split policy"):
+        PrefillSplitter(8, policy="greedy")

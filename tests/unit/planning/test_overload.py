@@ -36,6 +36,7 @@ def test_window_keeps_only_requests_sent_inside_it():
     # first-token latencies 1.0, 3.0, 0.5; last-token 2.0, 4.0, 7.0
     assert w["first_token_p50_s"] == 1.0 and w["first_token_p90_s"] == 3.0
     assert w["last_token_p50_s"] == 4.0 and w["last_token_p90_s"] == 7.0
+    assert w["first_token_max_s"] == 3.0 and w["last_token_max_s"] == 7.0  # the worst request inside
 
 
 def test_first_rise_is_the_first_bucket_after_the_block_above_the_margin():

@@ -7,9 +7,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from libs.planning.livepair import PrefillSplitter
 from libs.planning.zigzag import (
     ZigZagQueue,
     best_effort_configs,
+    fixed_split_configs,
     simulate_live_pair,
     simulate_zigzag_queue,
     zigzag_ilp,
@@ -219,3 +221,54 @@ def test_live_pair_split_takes_what_is_loaded_up_to_half(loaded, n_blocks):
     assert 0 <= t <= min(loaded, n_blocks // 2)
     assert t == min(loaded, n_blocks // 2)
     assert (t == 0) == (loaded == 0)
+
+
+def _run_time_configs(splitter: PrefillSplitter, n: int, layers: int, load: float) -> list[tuple[int, int]]:
+    """The splits a live pair's source asks `splitter` for, batch after batch, with the target
+    running each batch's front as soon as the previous one is done (today's synchronous
+    hand-off: one batch in the queue at a time), in the module's time model."""
+    t, out = 0.0, []
+    for _ in range(n):
+        splitter.held(min(layers, int(t / load + 1e-9) + 1) if load else layers)
+        k = splitter()
+        out.append((k, layers - k))
+        t += k
+    return out
+
+
+def test_zigzag_at_run_time_against_a_fixed_split_on_fig15() -> None:
+    """Fig. 15's case (7 batches, 7 layers, a layer's load = 6 computations): a fixed split
+    (the first batch's best effort, kept) runs (1, 6) seven times; ZigZag's worst batch is lower:
+    the run-time splitter (one batch at a time, k growing with the blocks held) by 1 unit, the
+    ILP-free queue with the target working ahead (Fig. 16) by 14."""
+    n, layers, load = 7, 7, 6.0
+    fixed = fixed_split_configs(n, layers, load)
+    assert fixed == [(1, 6)] * 7
+    fixed_lat = simulate_live_pair(fixed, layers, load)
+    assert fixed_lat == [7.0, 13.0, 19.0, 25.0, 31.0, 37.0, 43.0]
+
+    # The worker's splitter, both policies, reproduces the time model's policies.
+    assert _run_time_configs(PrefillSplitter(layers, cap=layers // 2, policy="fixed"), n, layers, load) == fixed
+    run_time = _run_time_configs(PrefillSplitter(layers, cap=layers // 2), n, layers, load)
+    assert run_time == best_effort_configs(n, layers, load)
+    assert run_time[-1] == (2, 5)  # layer 2 landed at t = 6: the 7th batch takes it, the fixed split does not
+    zigzag_lat = simulate_live_pair(run_time, layers, load)
+    assert max(zigzag_lat) == 42.0 < max(fixed_lat)
+
+    queue = simulate_zigzag_queue(n, layers, load)
+    assert max(queue.latencies) == 29.0 < max(zigzag_lat)
+
+
+@FAST
+@given(
+    n=st.integers(min_value=1, max_value=16),
+    layers=st.integers(min_value=2, max_value=16),
+    load=st.sampled_from(LOAD_TIMES),
+)
+def test_zigzag_never_has_a_worse_batch_than_the_fixed_split(n: int, layers: int, load: float) -> None:
+    fixed = fixed_split_configs(n, layers, load)
+    assert _run_time_configs(PrefillSplitter(layers, cap=layers // 2, policy="fixed"), n, layers, load) == fixed
+    worst_fixed = max(simulate_live_pair(fixed, layers, load))
+    run_time = _run_time_configs(PrefillSplitter(layers, cap=layers // 2), n, layers, load)
+    assert max(simulate_live_pair(run_time, layers, load)) <= worst_fixed + 1e-9
+    assert max(simulate_zigzag_queue(n, layers, load).latencies) <= worst_fixed + 1e-9
