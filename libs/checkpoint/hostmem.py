@@ -9,9 +9,9 @@ The region asks for transparent huge pages (madvise MADV_HUGEPAGE, where the ker
 them): an O_DIRECT read is split into block requests of at most max_segments (often ~254)
 physically contiguous segments, so into 4 KiB pages a read goes to the disk as ~1 MiB
 requests, into 2 MiB pages as requests up to the queue's max_sectors_kb. On the dev VM's
-virtio disk that took O_DIRECT reads from 0.40-0.51 to 0.77-1.23 GB/s (4 x 16 MiB readers);
-runai-model-streamer's buffers get huge pages the same way, which is why it outran
-layercast's loader before (`bench load`'s peers).
+virtio disk that took raw O_DIRECT reads (4 x 16 MiB readers) from 0.36-0.51 to 0.77-1.73
+GB/s; runai-model-streamer (io_uring, registered buffers) had read that disk at up to 0.87 GB/s,
+above the 4 KiB-page bound (`bench load`'s peers).
 
 A buffer goes back to the arena on its own when the last tensor viewing it is gone: each
 is a torch view of a numpy slice that carries a finalizer, so memory still referenced by
