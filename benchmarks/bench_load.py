@@ -10,10 +10,22 @@ layercast loads into a host arena reserved beforehand, as a worker started with
 allocated per load (a worker without an arena), for comparison. The raw bound
 and the layercast cold load get three trials per repeat each (one per raw strategy,
 alternating); the other methods one per repeat.
+
+Loader peers (the `bench-peers` extra): runai-model-streamer and fastsafetensors (CPU mode,
+`nogds=True, device="cpu"`) read the same safetensors file in the same run, each with its
+library defaults (its documented settings: RUNAI_STREAMER_CONCURRENCY unset, which in 0.17
+is an io_uring queue 64 reads of 8 MiB deep; fastsafetensors `max_threads=16`, 16 MiB bounce buffers) and with 1, 2 and 4 threads, cold and
+warm, and each builds the model (ready: logits of the first token). layercast's own loader runs
+the same 1/2/4 thread sweep. A peer that is not installed is listed under `peers` with the
+reason it was skipped. Peer figures are the median of the repeats (and the best beside it).
+Peak RSS is the process's high-water mark during a cold load above its resident size before it
+(VmHWM, reset through /proc/self/clear_refs), in MB.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import os
 import shutil
 import statistics
@@ -112,7 +124,9 @@ def _first_logits_from_pretrained(hf: Path, dtype: torch.dtype, device: str = "c
 
 
 def _first_logits_from_safetensors(hf: Path, weights: list[Path], dtype: torch.dtype,
-                                   device: str = "cpu") -> torch.Tensor:
+                                   device: str = "cpu", load_state=None) -> torch.Tensor:
+    """The model built on the meta device, its tensors assigned from a state dict read by
+    `load_state(weights)` (default: safetensors' load_file), then a prefill's logits."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -120,8 +134,11 @@ def _first_logits_from_safetensors(hf: Path, weights: list[Path], dtype: torch.d
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     state: dict[str, torch.Tensor] = {}
-    for w in weights:
-        state.update(load_file(w, device=str(device)))
+    if load_state is None:
+        for w in weights:
+            state.update(load_file(w, device=str(device)))
+    else:
+        state = {k: v.to(device) for k, v in load_state(weights).items()}
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
@@ -129,9 +146,150 @@ def _first_logits_from_safetensors(hf: Path, weights: list[Path], dtype: torch.d
     model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config).to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:
-        raise RuntimeError(f"safetensors baseline left tensors on the meta device: {left[:3]}")
+        raise RuntimeError(f"state dict left tensors on the meta device: {left[:3]}")
     with torch.inference_mode():
         return model.eval()(torch.tensor([PROMPT_IDS], device=device), logits_to_keep=1).logits[0, -1].float().cpu()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loader peers: what a user would pick instead of layercast's loader (the `bench-peers` extra).
+
+PEER_THREADS = (1, 2, 4)
+PEERS_EXTRA = "pip install 'layercast[bench-peers]'"
+# name -> (module to import, distribution name, the library's documented default thread count)
+PEERS = {
+    # unset, 0.17 reads with io_uring at a depth of 64 x 8 MiB here (its INFO log); the variable sets the depth
+    "runai_model_streamer": ("runai_model_streamer", "runai-model-streamer", "library default"),
+    "fastsafetensors": ("fastsafetensors", "fastsafetensors", 16),
+}
+
+
+def peer_status(name: str) -> str | None:
+    """None if the peer can run here, else why it is skipped."""
+    module, dist, _ = PEERS[name]
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        return f"not installed ({PEERS_EXTRA}): {e}"
+    except Exception as e:  # a broken install (e.g. a native library that does not load)
+        return f"failed to import: {type(e).__name__}: {e}"
+    return None
+
+
+def _load_runai(weights: list[Path], threads: int | None) -> dict[str, torch.Tensor]:
+    """runai-model-streamer's SafetensorsStreamer onto the CPU; threads: RUNAI_STREAMER_CONCURRENCY
+    (None: unset, the library's default), read by the C++ streamer when it starts."""
+    from runai_model_streamer import SafetensorsStreamer
+
+    saved = os.environ.get("RUNAI_STREAMER_CONCURRENCY")
+    if threads is None:
+        os.environ.pop("RUNAI_STREAMER_CONCURRENCY", None)
+    else:
+        os.environ["RUNAI_STREAMER_CONCURRENCY"] = str(threads)
+    try:
+        state: dict[str, torch.Tensor] = {}
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_files([str(w) for w in weights], device="cpu")
+            for name, tensor in streamer.get_tensors():
+                state[name] = tensor
+        return state
+    finally:
+        if saved is None:
+            os.environ.pop("RUNAI_STREAMER_CONCURRENCY", None)
+        else:
+            os.environ["RUNAI_STREAMER_CONCURRENCY"] = saved
+
+
+def _load_fastsafetensors(weights: list[Path], threads: int | None) -> dict[str, torch.Tensor]:
+    """fastsafetensors without GPUDirect Storage (`nogds=True`, device "cpu"); threads: max_threads
+    (None: the library's default). The tensors own their buffer (the library's default mode)."""
+    from fastsafetensors import SafeTensorsFileLoader
+
+    kwargs = {} if threads is None else {"max_threads": threads}
+    loader = SafeTensorsFileLoader(None, "cpu", nogds=True, **kwargs)
+    try:
+        loader.add_filenames({0: [str(w) for w in weights]})
+        files = loader.copy_files_to_device()
+        try:
+            return {name: files.get_tensor(name) for name in loader.get_keys()}
+        finally:
+            files.close()
+    finally:
+        loader.close()
+
+
+PEER_LOADERS = {"runai_model_streamer": _load_runai, "fastsafetensors": _load_fastsafetensors}
+
+
+def _reset_peak_rss() -> int | None:
+    """Reset the process's RSS high-water mark; return the resident bytes now (None: not on Linux).
+
+    Memory freed by earlier loads is first handed back to the kernel (glibc's malloc_trim): left
+    resident in the allocator, a load that reuses it would not raise the mark."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _proc_status_bytes("VmRSS")
+
+
+def _proc_status_bytes(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field_name}")
+
+
+def _measure(fn, *args):
+    """(seconds, peak RSS above the resident size before, in MB or None, result)."""
+    before = _reset_peak_rss()
+    t0 = time.perf_counter()
+    result = fn(*args)
+    seconds = time.perf_counter() - t0
+    peak = None if before is None else max(0, _proc_status_bytes("VmHWM") - before) / 1e6
+    return seconds, peak, result
+
+
+def _setting_label(threads: int | None) -> str:
+    return "default" if threads is None else f"threads_{threads}"
+
+
+def measure_peer(name: str, threads: int | None, hf: Path, weights: list[Path], dtype: torch.dtype,
+                 device: str = "cpu") -> tuple[dict[str, float], torch.Tensor]:
+    """One trial of a peer at one setting: a cold read (page cache dropped first) with its peak RSS,
+    a warm read, and ready (cold again: the model built from what it read, its first logits).
+    Returns the figures and those logits."""
+    load = PEER_LOADERS[name]
+    nbytes = sum(w.stat().st_size for w in weights)
+    figures: dict[str, float] = {}
+    for w in weights:
+        drop_page_cache(w)
+    seconds, peak, state = _measure(load, weights, threads)
+    figures["cold_gbps"] = nbytes / seconds / 1e9
+    if peak is not None:
+        figures["peak_rss_mb"] = peak
+    del state
+    for w in weights:
+        _warm(w)
+    seconds, _, state = _measure(load, weights, threads)
+    figures["warm_gbps"] = nbytes / seconds / 1e9
+    del state
+    for w in weights:
+        drop_page_cache(w)
+    seconds, logits = _timed(_first_logits_from_safetensors, hf, weights, dtype, device,
+                             lambda ws: load(ws, threads))
+    figures["ready_s"] = seconds
+    return figures, logits
 
 
 def _timed(fn, *args):
@@ -153,7 +311,7 @@ class _Trials:
 
 
 def run_load_benchmark(ckpt: Path, hf: Path, repeat: int = 3, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                       threads: int = DEFAULT_THREADS, device: str = "cpu") -> dict:
+                       threads: int = DEFAULT_THREADS, device: str = "cpu", peers: bool = True) -> dict:
     index = CheckpointIndex.load(ckpt)
     data = ckpt / index.data_file
     weights = sorted(hf.glob("*.safetensors"))
@@ -190,6 +348,16 @@ def run_load_benchmark(ckpt: Path, hf: Path, repeat: int = 3, chunk_bytes: int =
         _first_token_from_blocks(ckpt, loader)
         _first_logits_from_pretrained(hf, dtype, device)
         _first_logits_from_safetensors(hf, weights, dtype, device)
+        skipped = {name: peer_status(name) for name in PEERS} if peers else {
+            name: "not run (--no-peers)" for name in PEERS}
+        for name in PEERS:
+            if skipped[name] is None:  # the peer's one-time start-up, untimed as above
+                try:
+                    _first_logits_from_safetensors(hf, weights, dtype, device,
+                                                   lambda ws, n=name: PEER_LOADERS[n](ws, None))
+                except Exception as e:  # a peer that fails here is reported, never fatal
+                    skipped[name] = f"failed: {type(e).__name__}: {e}"
+        running = [name for name in PEERS if skipped[name] is None]
 
         trials = _Trials()
         logits: dict[str, torch.Tensor] = {}
@@ -204,7 +372,9 @@ def run_load_benchmark(ckpt: Path, hf: Path, repeat: int = 3, chunk_bytes: int =
                 raw.append(raw_direct_read_gbps(data, n_threads, read_bytes))
                 drop_page_cache(data)
                 job = loader.start(ckpt, index)
-                host_blocks = job.result()
+                _, peak, host_blocks = _measure(job.result)
+                if peak is not None:
+                    trials.add("layercast_peak_rss_mb", peak)
                 cold.append(job.stats.gbps)
                 outside_arena = max(outside_arena, job.stats.outside_arena_bytes)
                 trials.add("first_block_ms", job.stats.block_ready_s[first_block] * 1e3)
@@ -215,8 +385,11 @@ def run_load_benchmark(ckpt: Path, hf: Path, repeat: int = 3, chunk_bytes: int =
 
             drop_page_cache(data)
             job = fresh_loader.start(ckpt, index)
-            job.result()
+            _, peak, _ = _measure(job.result)
             trials.add("layercast_cold_fresh_memory_gbps", job.stats.gbps)
+            if peak is not None:
+                trials.add("layercast_cold_fresh_memory_peak_rss_mb", peak)
+            del job
 
             _warm(data)
             job = loader.start(ckpt, index)
@@ -232,8 +405,32 @@ def run_load_benchmark(ckpt: Path, hf: Path, repeat: int = 3, chunk_bytes: int =
 
             for w in weights:
                 drop_page_cache(w)
-            seconds, _ = _timed(lambda: [load_file(w) for w in weights])
+            seconds, peak, _ = _measure(lambda: [load_file(w) for w in weights])
             trials.add("safetensors_cold_gbps", safetensors_bytes / seconds / 1e9)
+            if peak is not None:
+                trials.add("safetensors_peak_rss_mb", peak)
+
+            # layercast's loader with the peers' thread counts (into the arena, as above).
+            for n in PEER_THREADS:
+                drop_page_cache(data)
+                job = BlockLoader(device, LoaderConfig(chunk_bytes=chunk_bytes, threads=n), arena=arena).start(
+                    ckpt, index)
+                job.result()
+                trials.add(f"layercast[threads_{n}]_cold_gbps", job.stats.gbps)
+                del job
+
+            # The peers: library defaults, then 1, 2, 4 threads; cold, warm, then ready (the model
+            # built from what they read, its first logits).
+            for name in list(running):
+                try:
+                    for n in (None, *PEER_THREADS):
+                        key = f"{name}[{_setting_label(n)}]"
+                        figures, logits[key] = measure_peer(name, n, hf, weights, dtype, device)
+                        for metric, value in figures.items():
+                            trials.add(f"{key}_{metric}", value)
+                except Exception as e:  # reported under `peers`, the run goes on without it
+                    skipped[name] = f"failed: {type(e).__name__}: {e}"
+                    running.remove(name)
 
             drop_page_cache(pt_file)
             seconds, _ = _timed(torch.load, pt_file, "cpu")
@@ -256,11 +453,14 @@ def run_load_benchmark(ckpt: Path, hf: Path, repeat: int = 3, chunk_bytes: int =
     higher = {"raw_gbps", "layercast_cold_gbps", "layercast_cold_fresh_memory_gbps", "layercast_warm_gbps",
               "host_tier_gbps",
               "safetensors_cold_gbps", "torch_load_cold_gbps"}
-    result: dict = {name: round(trials.best(name, name in higher), 4) for name in trials.values}
+    flat = [n for n in trials.values if "[" not in n]  # the per-setting figures go under `peers`
+    result: dict = {name: round(trials.best(name, name in higher or name.endswith("_gbps")), 4) for name in flat}
     # The three ready paths must compute the same thing, or the comparison means nothing.
     reference = logits["from_pretrained"]
     max_diff = float((logits["safetensors"] - reference).abs().max())
     same_top = len({int(v.argmax()) for v in logits.values()} | {first_token}) == 1
+    peers_out = _peers_section(trials, skipped, running, logits, reference)
+    med = {k: statistics.median(v) for k, v in trials.values.items()}
     first_block_bound_ms = 2 * first_block_bytes / (result["raw_gbps"] * 1e9) * 1e3 + 20
     result.update(
         model_bytes=model_bytes,
@@ -287,10 +487,75 @@ def run_load_benchmark(ckpt: Path, hf: Path, repeat: int = 3, chunk_bytes: int =
         first_block_bound_ms=round(first_block_bound_ms, 2),
         logits_max_abs_diff=max_diff,
         same_first_token=same_top,
+        peers=peers_out,
+        comparison=_comparison(med, result, peers_out),
         trials={k: [round(x, 4) for x in v] for k, v in trials.values.items()},
         median={k: round(statistics.median(v), 4) for k, v in trials.values.items()},
     )
     return result
+
+
+def _peers_section(trials: _Trials, skipped: dict, running: list[str], logits: dict,
+                   reference: torch.Tensor) -> dict:
+    """Per peer: its version and, for each setting, the median (and best) of its trials; or why it
+    was skipped. Also layercast's own thread sweep, under `layercast`."""
+    def stats(key: str) -> dict:
+        out = {}
+        for metric, higher in (("cold_gbps", True), ("warm_gbps", True), ("ready_s", False), ("peak_rss_mb", False)):
+            v = trials.values.get(f"{key}_{metric}")
+            if v:
+                out[metric] = round(statistics.median(v), 4)
+                out[metric + "_best"] = round(max(v) if higher else min(v), 4)
+        return out
+
+    section: dict = {}
+    for name, (_, dist, default_threads) in PEERS.items():
+        if name not in running:
+            section[name] = {"skipped": skipped[name]}
+            continue
+        settings = {}
+        for n in (None, *PEER_THREADS):
+            key = f"{name}[{_setting_label(n)}]"
+            settings[_setting_label(n)] = {"threads": n or default_threads, **stats(key),
+                                           "logits_max_abs_diff": float((logits[key] - reference).abs().max()),
+                                           "same_first_token": int(logits[key].argmax()) == int(reference.argmax())}
+        best = max(settings, key=lambda s: settings[s]["cold_gbps"])
+        section[name] = {"version": importlib.metadata.version(dist), "best_setting": best, "settings": settings}
+    section["layercast"] = {f"threads_{n}": stats(f"layercast[threads_{n}]") for n in PEER_THREADS}
+    return section
+
+
+def _comparison(med: dict, result: dict, peers_out: dict) -> dict:
+    """Medians side by side: raw O_DIRECT reads (the bound: its best), layercast, safetensors and each
+    peer at its best setting (highest median cold GB/s); layercast / peer ratios (above 1: layercast
+    ahead, for GB/s; for ready time, peer / layercast above 1: layercast ahead)."""
+    def pick(prefix: str, names=("cold_gbps", "warm_gbps", "ready_s", "peak_rss_mb")) -> dict:
+        return {n: round(med[f"{prefix}_{n}"], 4) for n in names if f"{prefix}_{n}" in med}
+
+    rows = {
+        "raw_o_direct": {"cold_gbps": result["raw_gbps"], "cold_gbps_median": round(med["raw_gbps"], 4)},
+        # a worker with --host-arena-gb: its memory reserved before the load (arena_bytes)
+        "layercast": pick("layercast"),
+        # a worker without one: each load allocates (and faults in) its memory, as the peers do
+        "layercast_without_arena": {"cold_gbps": round(med["layercast_cold_fresh_memory_gbps"], 4),
+                                    **pick("layercast_cold_fresh_memory", ("peak_rss_mb",))},
+        "safetensors": pick("safetensors"),
+    }
+    ratios = {}
+    for name, peer in peers_out.items():
+        if name == "layercast" or "skipped" in peer:
+            continue
+        best = peer["settings"][peer["best_setting"]]
+        rows[name] = {"setting": peer["best_setting"], **{k: best[k] for k in (
+            "cold_gbps", "warm_gbps", "ready_s", "peak_rss_mb") if k in best}}
+        ratios[name] = {
+            "layercast_cold_gbps_vs_peer": round(rows["layercast"]["cold_gbps"] / best["cold_gbps"], 3),
+            "layercast_without_arena_cold_gbps_vs_peer": round(
+                rows["layercast_without_arena"]["cold_gbps"] / best["cold_gbps"], 3),
+            "peer_ready_s_vs_layercast": round(best["ready_s"] / rows["layercast"]["ready_s"], 3),
+            "layercast_warm_gbps_vs_peer": round(rows["layercast"]["warm_gbps"] / best["warm_gbps"], 3),
+        }
+    return {"statistic": "median of the repeats", "loaders": rows, "layercast_vs_peers": ratios}
 
 
 def sweep(ckpt: Path, repeat: int, chunks=(4 << 20, 16 << 20, 64 << 20), thread_counts=(1, 2, 4, 8)) -> dict:

@@ -151,6 +151,9 @@ def load(
     threads: int = typer.Option(0, "--threads", help="Loader reader threads (0: the default)."),
     device: str = typer.Option("auto", "--device", help="Target device of the loader (auto: cuda if present)."),
     do_sweep: bool = typer.Option(False, "--sweep", help="Also sweep chunk size x threads for the cold load."),
+    peers: bool = typer.Option(True, "--peers/--no-peers",
+                               help="Also run runai-model-streamer and fastsafetensors where installed "
+                                    "(the bench-peers extra); a missing one is skipped with its reason."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     state_dir: Path = typer.Option(Path(".layercast"), "--state-dir"),
 ) -> None:
@@ -163,7 +166,7 @@ def load(
         hf = hf or default_hf
     hf, device = _checkpoint_and_device(path, hf, device)
     result = run_load_benchmark(path, hf, repeat, (chunk_mib << 20) or DEFAULT_CHUNK_BYTES,
-                                threads or DEFAULT_THREADS, device)
+                                threads or DEFAULT_THREADS, device, peers)
     if do_sweep:
         result["sweep_cold_gbps"] = sweep(path, repeat)
     if json_out:

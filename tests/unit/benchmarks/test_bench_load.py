@@ -18,7 +18,7 @@ FIELDS = {
 
 def test_bench_load_json(tiny_checkpoint):
     result = CliRunner().invoke(app, ["bench", "load", str(tiny_checkpoint), "--repeat", "1", "--chunk-mib", "1",
-                                      "--threads", "2", "--json"])
+                                      "--threads", "2", "--no-peers", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert FIELDS <= set(report)
@@ -26,6 +26,9 @@ def test_bench_load_json(tiny_checkpoint):
     for name in FIELDS - {"model_bytes", "chunk_bytes", "threads"}:
         assert report[name] > 0, name
     assert report["same_first_token"] is True
+    # --no-peers: every peer is listed with why it did not run, never silently absent.
+    assert {name: peer["skipped"] for name, peer in report["peers"].items() if name != "layercast"} == {
+        "runai_model_streamer": "not run (--no-peers)", "fastsafetensors": "not run (--no-peers)"}
     assert report["outside_arena_bytes"] == 0  # every layercast trial loaded into the reserved arena
     assert set(report["ratios"]) >= {"layercast_cold_vs_raw", "from_pretrained_vs_layercast_ready"}
     # No scratch files (the torch.save copy) are left next to the checkpoint.

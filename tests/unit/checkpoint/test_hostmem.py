@@ -73,3 +73,35 @@ def test_loader_uses_the_arena_and_falls_back_when_full(tiny_checkpoint):
     assert not base <= blocks[1].data_ptr() < end  # fresh memory: the arena was full
     for b, buf in blocks.items():
         assert torch.equal(buf, load_block(tiny_checkpoint, index, b))
+
+
+def _smaps_entry(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds `address`."""
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    return fields
+
+
+def test_the_region_is_advised_huge_pages_and_faulted_in_at_start():
+    """O_DIRECT reads into huge pages go to the disk as requests of up to max_sectors_kb instead of
+    ~1 MiB (254 segments of 4 KiB): the arena asks for them, and is resident before any load."""
+    mmap = pytest.importorskip("mmap")
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("this kernel or Python has no MADV_HUGEPAGE")
+    size = 8 << 20
+    arena = HostArena(size)
+    assert arena.huge_pages is True
+    entry = _smaps_entry(arena.take(1).data_ptr())
+    assert "hg" in entry["VmFlags"].split()  # madvise(MADV_HUGEPAGE) took
+    assert int(entry["Rss"].split()[0]) * 1024 >= size  # every page faulted in by the constructor
+    plain = HostArena(size, huge_pages=False)
+    assert plain.huge_pages is False and "hg" not in _smaps_entry(plain.take(1).data_ptr())["VmFlags"].split()
