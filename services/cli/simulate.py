@@ -42,6 +42,8 @@ def simulate(
     rate_scale: float = typer.Option(1.0, help="Fraction of rows kept (seeded thinning)."),
     max_prompt_tokens: int | None = typer.Option(None, help="Scale prompt lengths under this."),
     max_output_tokens: int | None = typer.Option(None, help="Clip output lengths to this."),
+    horizon_s: float = typer.Option(600.0, "--horizon-s",
+                                    help="Simulate this long after the last arrival; requests unfinished then are lost."),
     seed: int = typer.Option(0),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     plot: Path | None = typer.Option(None, "--plot", help="Write instances-over-time and TTFT-CDF plots here."),
@@ -66,7 +68,7 @@ def simulate(
                             scaleup_group=scaleup_group, models=models, sharing=sharing,
                             max_instances=max_instances, keep_alive_s=keep_alive_s,
                             target_concurrency=target_concurrency, tick_s=tick_s, slo_ttft_s=slo_ttft_s,
-                            slo_tpot_s=slo_tpot_s, seed=seed) for mode in names]
+                            slo_tpot_s=slo_tpot_s, seed=seed, horizon_after_s=horizon_s) for mode in names]
     except (ProfileError, ValueError, FileNotFoundError) as e:
         _fail(str(e))
     if not reqs:
@@ -90,7 +92,7 @@ def simulate(
     settings = {"nodes": nodes, "profile": prof.name, "leaves": leaves, "uplink_gbps": uplink_gbps,
                 "scaleup_group": scaleup_group, "models": models, "sharing": sharing,
                 "max_instances": max_instances or nodes, "keep_alive_s": keep_alive_s,
-                "target_concurrency": target_concurrency, "tick_s": tick_s, "seed": seed,
+                "target_concurrency": target_concurrency, "tick_s": tick_s, "seed": seed, "horizon_s": horizon_s,
                 "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s}, "transform": {
                     "start_s": start_s, "duration_s": duration_s, "time_scale": time_scale,
                     "rate_scale": rate_scale, "max_prompt_tokens": max_prompt_tokens,
