@@ -190,6 +190,7 @@ class Simulation:
         self.on_worker: dict[str, dict[str, SimInstance]] = defaultdict(dict)
         self.running: dict[str, int] = defaultdict(int)
         self._forced = False
+        self._ended_requests = 0
         # The planner reconciles one request per model at a time (its per-model lock): a request
         # waits while the previous one's operation is still creating its instances in the registry.
         self.locked: dict[str, str | None] = {}  # model -> the op holding the lock
@@ -292,6 +293,7 @@ class Simulation:
         self.last_request[r.model] = self.q.now
         if len(self.queue[r.model]) >= self.cfg.max_queue:
             r.lost = "queue full (429)"
+            self._ended_requests += 1
             return
         self.queue[r.model].append(r)
         self._dispatch(r.model)
@@ -404,6 +406,7 @@ class Simulation:
         for r in done:
             del inst.decoding[r.rid]
             self.running[r.model] -= 1
+            self._ended_requests += 1
             r.done = self.q.now
             if r.tpot is not None:
                 self.latencies[r.model][1].append(r.tpot)
@@ -429,8 +432,13 @@ class Simulation:
 
     def _tick(self) -> None:
         self._monitor()
-        if self.q.now < self.last_arrival + self.cfg.horizon_after_s:
+        if self.q.now < self.last_arrival + self.cfg.horizon_after_s and not self._over():
             self.q.after(self.cfg.tick_s, self._tick)
+
+    def _over(self) -> bool:
+        """Nothing can happen any more: every request arrived and ended, no instance or operation is left."""
+        return (self.q.now > self.last_arrival and self._ended_requests == len(self.requests)
+                and not self.registry and not self.insts and not self.ops)
 
     def _force_tick(self) -> None:
         self._forced = False

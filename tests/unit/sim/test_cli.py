@@ -23,7 +23,7 @@ def trace(tmp_path: Path) -> Path:
 @pytest.mark.slow
 def test_simulate_prints_every_modes_figures_as_json(tmp_path):
     res = CliRunner().invoke(app, ["simulate", str(trace(tmp_path)), "--nodes", "4", "--profile", "h100-200g",
-                                   "--modes", "layercast,serverlessllm", "--duration-s", "12", "--tick", "0.5", "--horizon-s", "30",
+                                   "--modes", "layercast,serverlessllm", "--duration-s", "12", "--tick", "0.5", "--horizon-s", "90",
                                    "--json", "--plot", str(tmp_path / "plots")])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout[res.stdout.index("{"):])
