@@ -613,6 +613,8 @@ class Simulation:
         self.q.at(build, self._worker_event, inst.iid, op_id, lc.EngineBuilt())
         for b, t in enumerate(engine):
             self.q.at(t, self._worker_event, inst.iid, op_id, lc.BlockInEngine(b))
+        # the load task ends after its last block (and the engine's construction)
+        self.q.at(inst.compute_from, self._worker_event, inst.iid, op_id, lc.LoadFinished())
 
     def _worker_event(self, iid: str, op_id: str, event: object) -> None:
         inst = self.insts.get(iid)
@@ -650,6 +652,9 @@ class Simulation:
                 self.q.after(e.keep_alive_s, self._expire_host, inst.model, inst.workers[0])
             elif isinstance(e, lc.Detach):
                 self._hand_over(inst)
+            elif isinstance(e, lc.EndLoad):
+                # unloaded while loading: the load task stops at this step, and says so
+                self.q.at(now, self._worker_event, inst.iid, op_id, lc.LoadFailed(e.reason))
             elif isinstance(e, lc.ReportStopped):
                 self._drop_inst(inst)
                 self._report(inst, op_id, m.InstanceState.failed if e.failed else m.InstanceState.stopped)
