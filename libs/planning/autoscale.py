@@ -35,12 +35,14 @@ raise ``ValueError``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from libs.protocol import messages as m
 from libs.planning.policies import (
     ConcurrencyPolicy,
     MetricsSample,
@@ -62,6 +64,8 @@ __all__ = [
     "Policy",
     "ScaleDecision",
     "check_policy",
+    "deployment_of",
+    "model_observation",
     "policy_config",
     "scale_down_delay",
     "step",
@@ -114,12 +118,13 @@ class Policy:
     keep_alive: str | None = None
     own_scale_down: bool = False
 
-    @property
+    # Cached: the load-monitor (and `layercast simulate`, 10^4-10^5 ticks a run) builds a config every tick.
+    @functools.cached_property
     def params(self) -> tuple[str, ...]:
         fixed = {*_BOUNDS, self.keep_alive}
         return (*(f.name for f in dataclasses.fields(self.config) if f.name not in fixed), SCALE_DOWN_DELAY)
 
-    @property
+    @functools.cached_property
     def required(self) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(self.config) if f.name in self.params
                      and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
@@ -325,3 +330,27 @@ def _step_model(config: AutoscaleConfig, name: str, prev: ModelScaleState, obs: 
     decision = ScaleDecision(model=name, desired=desired, current=current,
                              direction="up" if desired > current else "down", reason=reason)
     return dataclasses.replace(new, last_sent=(desired, now)), decision
+
+
+# ---------------------------------------------------------------------------
+# What the load-monitor observes (its service and `layercast simulate` build ticks alike)
+# ---------------------------------------------------------------------------
+
+
+def deployment_of(model: m.ModelInfo) -> Deployment:
+    """A deployed model's scaling settings."""
+    return Deployment(min_instances=model.min_instances, max_instances=model.max_instances,
+                      keep_alive_s=model.keep_alive_s, policy=model.policy, params=model.policy_params)
+
+
+def model_observation(model: m.ModelInfo, now: float, states: Sequence[m.InstanceState], requests: int,
+                      load_tps: float = 0.0, ttft_s: Sequence[float] = (), tpot_s: Sequence[float] = (),
+                      last_requests: Sequence[float] = ()) -> ModelObservation:
+    """One tick's observation of `model`: `states` of its live instances (loading or ready),
+    `requests` queued or in flight at the gateways, the demand in tokens/s and the latencies
+    observed since the previous tick, the newest request time each gateway reports."""
+    sample = MetricsSample(t=now, ready=sum(1 for s in states if s == m.InstanceState.ready),
+                           warming=sum(1 for s in states if s == m.InstanceState.loading), load_tps=load_tps,
+                           in_flight=requests, ttft_s=tuple(ttft_s), tpot_s=tuple(tpot_s))
+    return ModelObservation(sample=sample, current=len(states), deployment=deployment_of(model),
+                            last_requests=tuple(last_requests))

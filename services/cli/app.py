@@ -538,3 +538,9 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
                       "yes" if p["healthy"] else "[red]no[/red]", str(p["restarts"]), p["log"])
     console.print(f"gateway {info['gateway_url']}  nats {info['nats_url']}  db {info['database_url']}")
     console.print(table)
+
+
+# `layercast simulate` (libs.sim, the fleet simulator): its own module, registered here.
+from services.cli.simulate import simulate as _simulate  # noqa: E402
+
+app.command("simulate")(_simulate)

@@ -21,7 +21,6 @@ from prometheus_client import Counter, Gauge
 
 from libs.planning import autoscale
 from libs.planning.demand import GatewayReports, ModelReport
-from libs.planning.policies import MetricsSample
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.bus.broker import call, on_event, publish
@@ -44,9 +43,7 @@ SCALE_REQUESTS = Counter("layercast_load_monitor_scale_requests_total", "Scale r
 _tracer = tracer("load_monitor")
 
 
-def deployment(model: m.ModelInfo) -> autoscale.Deployment:
-    return autoscale.Deployment(min_instances=model.min_instances, max_instances=model.max_instances,
-                                keep_alive_s=model.keep_alive_s, policy=model.policy, params=model.policy_params)
+deployment = autoscale.deployment_of  # the name callers used
 
 
 class LoadMonitorService(Service):
@@ -101,11 +98,8 @@ class LoadMonitorService(Service):
         for name, info in self.models.items():
             demand = self.reports.take(name, received)
             states = [state for model, state in self.live.values() if model == name]
-            sample = MetricsSample(t=now, ready=states.count(m.InstanceState.ready),
-                                   warming=states.count(m.InstanceState.loading), load_tps=demand.load_tps,
-                                   in_flight=demand.requests, ttft_s=demand.ttft_s, tpot_s=demand.tpot_s)
-            observed[name] = autoscale.ModelObservation(sample=sample, current=self.current_instances(name),
-                                                        deployment=deployment(info), last_requests=demand.last_requests)
+            observed[name] = autoscale.model_observation(info, now, states, demand.requests, demand.load_tps,
+                                                         demand.ttft_s, demand.tpot_s, demand.last_requests)
         return autoscale.Observation(observed)
 
     async def tick(self, now: float | None = None) -> None:

@@ -1,0 +1,739 @@
+"""The fleet simulator: layercast's control plane and data plane as discrete events.
+
+What is layercast's own code, unchanged (imported, called as the services call it):
+
+* the load-monitor's tick: :func:`libs.planning.autoscale.model_observation` and
+  :func:`libs.planning.autoscale.step` with the deployment's policy;
+* the planner: :func:`libs.planning.scaleout.decide` on a :class:`~libs.protocol.messages.ClusterView`
+  of the simulated registry (with :func:`libs.planning.scaleop.open_live_pairs`), then
+  :func:`libs.planning.scaleop.open_scale_up` / ``open_scale_down`` / ``step``: every effect the
+  operation returns is carried out here and its answer fed back (pipelines to form and to retire
+  are the operation's own :func:`~libs.planning.pipelines.pipelines_to_form` / ``_retire``);
+* the worker's instance lifecycle :func:`libs.planning.instance.step` (when an instance serves,
+  admits a request, drains, stops);
+* the gateway's routing order (:mod:`libs.planning.sharing`).
+
+What is modelled (libs.sim.timemodel): how long transfers, disk reads, copies to engine memory,
+prefills and decode iterations take, and the control plane's latencies. What is simplified
+(documented where it is done): an instance's batch advances as a fluid between changes of its
+membership (iteration time from the profile at the batch's mean length); prefills run one at a
+time and pause the batch's decoding; live pairs (blitzscale) are answered "not simulated", so
+blitzscale runs as blitzscale-nopairs; workers never fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from libs.planning import autoscale, instance as lc, scaleop as so
+from libs.planning.scaleout import SERVERLESSLLM_KEEP_ALIVE_S, ScaleIn, ScalePlan, decide, mode_spec
+from libs.planning.sharing import sharing_setting
+from libs.protocol import messages as m
+from libs.sim.clock import EventQueue
+from libs.sim.profile import SimProfile
+from libs.sim.timemodel import Compute, Control, Fabric, Storage, multicast_arrivals
+
+__all__ = ["FleetConfig", "Request", "RunResult", "Simulation", "simulate"]
+
+EPS = 1e-9
+HOST, GPU, READY = m.Tier.host, m.Tier.gpu, m.ReplicaState.ready
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    nodes: int
+    mode: str
+    leaves: int = 1
+    uplink_gbps: float | None = None  # a leaf's uplink in all; None: non-blocking
+    scaleup_group: int = 1  # workers per scale-up group (1: none)
+    models: int = 1
+    sharing: str = "exclusive"
+    max_instances: int | None = None  # per model; None: nodes
+    min_instances: int = 0
+    keep_alive_s: float = 60.0
+    policy: str | None = None  # None: the mode's default (deploy_policy)
+    target_concurrency: int = 8  # the load-monitor's --target-concurrency
+    scale_down_delay_s: float = 5.0  # the load-monitor's default
+    tick_s: float = 0.1  # the load-monitor's tick
+    resend_s: float = 2.0
+    window_s: float = 10.0
+    drain_timeout_s: float = 30.0
+    max_queue: int = 256
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.25
+    serverlessllm_keep_alive_s: float = SERVERLESSLLM_KEEP_ALIVE_S
+    seed: int = 0
+    horizon_after_s: float = 600.0  # requests unfinished this long after the last arrival are lost
+
+    def __post_init__(self) -> None:
+        mode_spec(self.mode)  # ValueError naming the modes
+        sharing_setting(self.sharing)
+        if self.nodes < 1 or self.models < 1 or self.leaves < 1 or self.scaleup_group < 1:
+            raise ValueError("nodes, models, leaves and scaleup_group must be >= 1")
+        if self.nodes < self.leaves:
+            raise ValueError(f"{self.leaves} leaves need at least as many nodes, got {self.nodes}")
+
+
+@dataclass
+class Request:
+    rid: str
+    model: str
+    arrive: float
+    prompt: int
+    output: int
+    first_token: float | None = None
+    done: float | None = None
+    lost: str | None = None
+    # serving state
+    instance: str | None = None
+    left: float = 0.0  # output tokens still to decode
+    generated: float = 0.0
+    recompute: int = 0  # tokens whose KV a handed-over request rebuilds
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrive
+
+    @property
+    def tpot(self) -> float | None:
+        if self.done is None or self.first_token is None:
+            return None
+        return (self.done - self.first_token) / max(1, self.output - 1)
+
+
+@dataclass
+class SimInstance:
+    iid: str
+    model: str
+    workers: tuple[str, ...]
+    kind: str  # local | pipeline
+    life: lc.Lifecycle
+    compute_from: float = float("inf")  # its first iteration cannot start before (every block in)
+    prefilling: deque = field(default_factory=deque)  # requests waiting for / in their prefill
+    decoding: dict = field(default_factory=dict)  # rid -> Request
+    busy_until: float = 0.0  # the prefill in progress ends
+    last: float = 0.0  # decoding advanced up to here
+    version: int = 0
+
+    @property
+    def load(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+
+@dataclass
+class RunResult:
+    mode: str
+    requests: list[Request]
+    instance_series: list[tuple[float, int]]  # (t, local instances loading/ready/draining) at each change
+    scale_ops: list[dict]  # closed scale-ups: decided, first_ready, done, targets, algorithm
+    events: int
+    end: float
+    notes: list[str]
+
+
+class Simulation:
+    def __init__(self, cfg: FleetConfig, profile: SimProfile, requests: Sequence[tuple[float, int, int]],
+                 *, decide_fn: Callable | None = None):
+        self.cfg, self.p = cfg, profile
+        self.q = EventQueue()
+        self.rng = random.Random(cfg.seed)
+        self.decide = decide_fn or decide
+        self.ctl = Control(profile.nats_hop_s, profile.registry_read_s)
+        self.storage = Storage(profile.disk_gbytes_per_s * 1e9, profile.disk_read_latency_s,
+                               profile.h2d_gbytes_per_s * 1e9, profile.h2d_latency_s)
+        self.compute = Compute(profile.compute, profile.pipeline_hop_s)
+        self.route_key = sharing_setting(cfg.sharing).route_key
+        self.notes: list[str] = []
+        # --- the cluster: workers, models, the registry's replicas and instances
+        ids = [f"w{i:04d}" for i in range(cfg.nodes)]
+        leaf = {w: f"leaf-{i * cfg.leaves // cfg.nodes}" for i, w in enumerate(ids)}
+        group = {w: (f"g{i // cfg.scaleup_group}" if cfg.scaleup_group > 1 else "") for i, w in enumerate(ids)}
+        self.fabric = Fabric(profile.link_gbps, leaf, group, cfg.uplink_gbps, profile.scaleup_gbps)
+        self.workers = {w: m.WorkerInfo.model_construct(
+            worker_id=w, data_address=f"{w}:0", state="alive", last_heartbeat=0.0,
+            topology=m.Topology.model_construct(host=w, leaf=leaf[w], scaleup_group=group[w],
+                                                link_gbps=profile.link_gbps),
+            capacities={HOST: 1 << 50, GPU: 1 << 50},
+            bandwidths_gbps={"network_to_host": profile.link_gbps / 8, "host_to_device": profile.h2d_gbytes_per_s,
+                             "ssd_to_host": profile.disk_gbytes_per_s}) for w in ids}
+        nb = profile.n_blocks
+        sizes = [profile.model_bytes // nb + (1 if i < profile.model_bytes % nb else 0) for i in range(nb)]
+        self.block_bytes = sizes
+        max_inst = cfg.max_instances or cfg.nodes
+        self.models: dict[str, m.ModelInfo] = {}
+        for k in range(cfg.models):
+            name = f"model-{k}"
+            policy, params = autoscale_policy(cfg)
+            self.models[name] = m.ModelInfo.model_construct(
+                name=name, path=f"/models/{name}", arch="sim", n_layers=nb, state=m.ModelState.deployed,
+                created_at=0.0, min_instances=cfg.min_instances, max_instances=max_inst,
+                keep_alive_s=cfg.keep_alive_s, max_queue=cfg.max_queue, scaling_mode=cfg.mode, policy=policy,
+                policy_params=params, ttft_slo_s=cfg.slo_ttft_s, tpot_slo_s=cfg.slo_tpot_s,
+                blocks=[m.BlockInfo.model_construct(block_id=i, nbytes=s, checksum="", layer_start=i, layer_end=i + 1)
+                        for i, s in enumerate(sizes)], version=1)
+        self.replicas: dict[tuple[str, str, int, str], m.ReplicaInfo] = {}
+        self.registry: dict[str, m.InstanceInfo] = {}  # instance id -> as the registry has it
+        self.insts: dict[str, SimInstance] = {}  # what runs on the workers
+        self.ops: dict[str, so.ScaleOp] = {}
+        self.transfers: dict[str, dict[str, list[float]]] = {}
+        self._view: m.ClusterView | None = None
+        self._ids = 0
+        # indexes (the simulator's bookkeeping, kept in step with registry and insts)
+        self.live_states: dict[str, dict[str, m.InstanceState]] = defaultdict(dict)  # model -> iid -> state
+        self.n_local = 0
+        self.ended: set[str] = set()
+        self.by_model: dict[str, dict[str, SimInstance]] = defaultdict(dict)
+        self.on_worker: dict[str, dict[str, SimInstance]] = defaultdict(dict)
+        self.running: dict[str, int] = defaultdict(int)
+        self._forced = False
+        self._ended_requests = 0
+        # The planner reconciles one request per model at a time (its per-model lock): a request
+        # waits while the previous one's operation is still creating its instances in the registry.
+        self.locked: dict[str, str | None] = {}  # model -> the op holding the lock
+        self.waiting: dict[str, deque] = defaultdict(deque)
+        # --- the parameter pool at deploy time: one host copy (every worker's for `ideal`)
+        spec = mode_spec(cfg.mode)
+        for k, name in enumerate(self.models):
+            holders = ids if spec.pool_on_every_worker else [ids[k % cfg.nodes]] if spec.keeps_pool else []
+            for w in holders:
+                for b in range(nb):
+                    self._replica(name, w, b, HOST, True)
+        # --- the gateway and the load-monitor
+        self.queue: dict[str, deque[Request]] = {name: deque() for name in self.models}
+        self.requests: list[Request] = []
+        names = list(self.models)
+        for i, (t, prompt, output) in enumerate(requests):
+            r = Request(f"r{i}", names[self.rng.randrange(len(names))] if len(names) > 1 else names[0], t,
+                        max(1, prompt), max(1, output))
+            self.requests.append(r)
+            self.q.at(t, self._arrive, r)
+        self.autoscale = autoscale.AutoscaleState(autoscale.AutoscaleConfig(
+            window_s=cfg.window_s, scale_down_delay_s=cfg.scale_down_delay_s, resend_s=cfg.resend_s,
+            defaults={"concurrency": {"target": cfg.target_concurrency}}))
+        self.latencies: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+        self.tokens_since: dict[str, float] = defaultdict(float)
+        self.last_request: dict[str, float] = {}
+        self.series: list[tuple[float, int]] = [(0.0, 0)]
+        self.closed_ops: list[dict] = []
+        self.last_arrival = max((t for t, _, _ in requests), default=0.0)
+        self.q.at(0.0, self._tick)
+        if cfg.min_instances:
+            self.q.at(0.0, self._force_tick)
+
+    # ------------------------------------------------------------------ registry
+    def _new_id(self, prefix: str) -> str:
+        self._ids += 1
+        return f"{prefix}-{self._ids:06d}"
+
+    def _replica(self, model: str, worker: str, block: int, tier: m.Tier, present: bool) -> None:
+        key = (model, worker, block, tier.value)
+        if present:
+            if key not in self.replicas:
+                self.replicas[key] = m.ReplicaInfo.model_construct(model=model, block_id=block, worker_id=worker,
+                                                                   tier=tier, state=READY)
+                self._view = None
+        elif self.replicas.pop(key, None) is not None:
+            self._view = None
+
+    def _holds_host(self, model: str, worker: str) -> list[bool]:
+        return [(model, worker, b, "host") in self.replicas for b in range(self.p.n_blocks)]
+
+    def _set_instance(self, info: m.InstanceInfo) -> None:
+        iid = info.instance_id
+        if iid in self.ended:
+            return  # a late event of an instance that ended (the services drop them alike: EndedInstances)
+        prev = self.registry.get(iid)
+        self.registry[iid] = info
+        self._view = None
+        if info.mode == "local":
+            alive = (m.InstanceState.loading, m.InstanceState.ready, m.InstanceState.draining)
+            self.n_local += (info.state in alive) - (prev is not None and prev.state in alive)
+            if self.n_local != self.series[-1][1]:
+                self.series.append((self.q.now, self.n_local))
+            if info.state in (m.InstanceState.loading, m.InstanceState.ready):
+                self.live_states[info.model][iid] = info.state
+            else:
+                self.live_states[info.model].pop(iid, None)
+        if info.state in (m.InstanceState.stopped, m.InstanceState.failed):
+            self.registry.pop(iid, None)
+            self.ended.add(iid)
+
+    def _add_inst(self, inst: SimInstance) -> None:
+        self.insts[inst.iid] = inst
+        self.by_model[inst.model][inst.iid] = inst
+        self.on_worker[inst.workers[0]][inst.iid] = inst
+
+    def _drop_inst(self, inst: SimInstance) -> None:
+        self.insts.pop(inst.iid, None)
+        self.by_model[inst.model].pop(inst.iid, None)
+        self.on_worker[inst.workers[0]].pop(inst.iid, None)
+
+    def view(self) -> m.ClusterView:
+        if self._view is None:
+            self._view = m.ClusterView.model_construct(
+                workers=list(self.workers.values()), models=list(self.models.values()),
+                replicas=list(self.replicas.values()), instances=list(self.registry.values()), scale_ops=[],
+                live_pairs=[], epoch="sim", changes=0, version=1)
+        pairs = so.open_live_pairs(self.ops.values())
+        return self._view.model_copy(update={"live_pairs": pairs}) if pairs else self._view
+
+    def _load_by_worker(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for w, insts in self.on_worker.items():
+            for i in insts.values():
+                out[w] += i.load
+        return out
+
+    # ------------------------------------------------------------------ gateway
+    def _arrive(self, r: Request) -> None:
+        self.last_request[r.model] = self.q.now
+        if len(self.queue[r.model]) >= self.cfg.max_queue:
+            r.lost = "queue full (429)"
+            self._ended_requests += 1
+            return
+        self.queue[r.model].append(r)
+        self._dispatch(r.model)
+        if self.queue[r.model] and not self._forced and not any(i.life.serving
+                                                                for i in self.by_model[r.model].values()):
+            self._forced = True  # demand for a cold model: the monitor acts now (once per gateway report)
+            self.q.after(self.ctl.nats_hop_s, self._force_tick)
+
+    def _routes(self, model: str) -> list[SimInstance]:
+        free = [i for i in self.by_model[model].values() if i.life.serving and i.load < self.p.max_batch]
+        # loading ones last, then the sharing setting's order (libs.planning.sharing)
+        return sorted(free, key=lambda i: (i.life.phase is lc.Phase.serving_while_loading,
+                                           self.route_key("cuda", i.load, i.iid)))
+
+    def _dispatch(self, model: str) -> None:
+        q = self.queue[model]
+        while q:
+            routes = self._routes(model)
+            if not routes:
+                return
+            inst = routes[0]
+            r = q[0]
+            inst.life, effects = lc.step(inst.life, lc.RequestAdmitted(r.rid))
+            if any(isinstance(e, lc.Refuse) for e in effects):
+                return
+            q.popleft()
+            self._start_request(inst, r)
+
+    # ------------------------------------------------------------------ serving (fluid batches)
+    def _sharing(self, inst: SimInstance) -> int:
+        w = inst.workers[0]
+        return sum(1 for i in self.on_worker[w].values() if i.load > 0) or 1
+
+    def _iter_s(self, inst: SimInstance) -> float:
+        n = len(inst.decoding)
+        if not n:
+            return 0.0
+        mean = sum(r.prompt + r.generated for r in inst.decoding.values()) / n
+        return self.compute.iteration_s(n, mean, len(inst.workers), self._sharing(inst))
+
+    def _advance(self, inst: SimInstance) -> None:
+        """Decode from inst.last to now, except while a prefill runs or before the blocks are in."""
+        now = self.q.now
+        begin = max(inst.last, inst.busy_until, inst.compute_from)
+        if inst.decoding and now > begin:
+            it = self._iter_s(inst)
+            steps = (now - begin) / it if it > 0 else float("inf")
+            for r in inst.decoding.values():
+                done = min(steps, r.left)
+                r.left -= done
+                r.generated += done
+                self.tokens_since[inst.model] += done
+        inst.last = max(inst.last, now)
+
+    def _start_request(self, inst: SimInstance, r: Request) -> None:
+        self._advance(inst)
+        r.instance = inst.iid
+        self.running[r.model] += 1
+        inst.prefilling.append(r)
+        self._schedule(inst)
+
+    def _schedule(self, inst: SimInstance) -> None:
+        """Start the next prefill if none runs; plan the next decode event."""
+        inst.version += 1
+        now = self.q.now
+        if inst.prefilling and inst.busy_until <= now + EPS and inst.compute_from < float("inf"):
+            start = max(now, inst.compute_from)
+            r = inst.prefilling[0]
+            tokens = r.recompute or r.prompt
+            inst.busy_until = start + self.compute.prefill_s(tokens, len(inst.workers), self._sharing(inst))
+            self.q.at(inst.busy_until, self._prefilled, inst.iid, inst.version)
+            return
+        if inst.prefilling and inst.busy_until > now + EPS:
+            self.q.at(inst.busy_until, self._prefilled, inst.iid, inst.version)
+            return
+        if inst.decoding:
+            it = self._iter_s(inst)
+            left = min(r.left for r in inst.decoding.values())
+            begin = max(now, inst.busy_until, inst.compute_from)
+            self.q.at(begin + max(0.0, left) * it, self._decoded, inst.iid, inst.version)
+
+    def _prefilled(self, iid: str, version: int) -> None:
+        inst = self.insts.get(iid)
+        if inst is None or version != inst.version:
+            return
+        now = self.q.now
+        if inst.prefilling and inst.busy_until <= now + EPS:
+            self._advance(inst)
+            r = inst.prefilling.popleft()
+            if r.first_token is None:
+                r.first_token = now
+                self.latencies[r.model][0].append(now - r.arrive)
+                r.left, r.generated = r.output - 1, 1
+            r.recompute = 0
+            self.tokens_since[r.model] += 1
+            inst.decoding[r.rid] = r
+            self._finish_done(inst)
+        self._schedule(inst)
+
+    def _decoded(self, iid: str, version: int) -> None:
+        inst = self.insts.get(iid)
+        if inst is None or version != inst.version:
+            return
+        self._advance(inst)
+        self._finish_done(inst)
+        self._schedule(inst)
+
+    def _finish_done(self, inst: SimInstance) -> None:
+        done = [r for r in inst.decoding.values() if r.left <= 1e-6]
+        for r in done:
+            del inst.decoding[r.rid]
+            self.running[r.model] -= 1
+            self._ended_requests += 1
+            r.done = self.q.now
+            if r.tpot is not None:
+                self.latencies[r.model][1].append(r.tpot)
+            inst.life, effects = lc.step(inst.life, lc.RequestEnded(r.rid))
+            self._worker_effects(inst, effects)
+        if done:
+            self._dispatch(inst.model)
+
+    # ------------------------------------------------------------------ load-monitor
+    def _observation(self, now: float) -> autoscale.Observation:
+        obs = {}
+        for name, model in self.models.items():
+            states = list(self.live_states[name].values())
+            running = self.running[name]
+            queued = self.queue[name]
+            ttft, tpot = self.latencies.pop(name, ([], []))
+            # demand in tokens/s (libs.planning.demand): streamed per second + queued output tokens / drain_s (1 s)
+            load_tps = self.tokens_since.pop(name, 0.0) / self.cfg.tick_s + sum(r.output for r in queued)
+            last = (self.last_request[name],) if name in self.last_request else ()
+            obs[name] = autoscale.model_observation(model, now, states, len(queued) + running, load_tps, ttft, tpot,
+                                                    last)
+        return autoscale.Observation(obs)
+
+    def _tick(self) -> None:
+        self._monitor()
+        if self.q.now < self.last_arrival + self.cfg.horizon_after_s and not self._over():
+            self.q.after(self.cfg.tick_s, self._tick)
+
+    def _over(self) -> bool:
+        """Nothing can happen any more: every request arrived and ended, no instance or operation is left."""
+        return (self.q.now > self.last_arrival and self._ended_requests == len(self.requests)
+                and not self.registry and not self.insts and not self.ops)
+
+    def _force_tick(self) -> None:
+        self._forced = False
+        self._monitor()
+
+    def _monitor(self) -> None:
+        now = self.q.now
+        self.autoscale, decisions = autoscale.step(self.autoscale, self._observation(now), now)
+        for d in decisions:
+            req = m.ScaleRequest.model_construct(model=d.model, desired_instances=d.desired, reason=d.reason,
+                                                 sent_at=now, version=1)
+            self.q.after(self.ctl.nats_hop_s + self.ctl.registry_read_s, self._reconcile, req)
+
+    # ------------------------------------------------------------------ planner
+    def _reconcile(self, req: m.ScaleRequest) -> None:
+        if self.locked.get(req.model):
+            self.waiting[req.model].append(req)
+            return
+        now = self.q.now
+        view = self.view()
+        decision = self.decide(view, req, self._load_by_worker(),
+                               host_keep_alive_s=self.cfg.serverlessllm_keep_alive_s)
+        if isinstance(decision, ScalePlan):
+            if not decision.loads:
+                return
+            info = m.ScaleOpInfo(scale_op_id=self._new_id("op"), model=decision.model.name, direction="up",
+                                 reason=req.reason, from_instances=decision.from_instances,
+                                 to_instances=decision.to_instances, state="running",
+                                 timings={"decided": req.sent_at, "planned": now}, plan=decision.record())
+            ids = {t.worker_id: self._new_id("inst") for t in decision.loads}
+            op, effects = so.open_scale_up(info, decision, ids, {w: f"{w}:0" for w in self.workers}, now)
+        elif isinstance(decision, ScaleIn):
+            info = m.ScaleOpInfo(scale_op_id=self._new_id("op"), model=decision.model, direction="down",
+                                 reason=req.reason, from_instances=decision.from_instances,
+                                 to_instances=decision.desired, state="running",
+                                 timings={"decided": req.sent_at, "planned": now}, plan=decision.record())
+            op, effects = so.open_scale_down(info, decision, self.cfg.drain_timeout_s, req.reason, now)
+        else:
+            return
+        self.ops[op.op_id] = op
+        self.locked[req.model] = op.op_id
+        self._op_effects(op.op_id, effects)
+        self._view = None
+        self.q.after(so.Timers().tick_s, self._op_tick, op.op_id)
+        self._unlock_when_created(op.op_id)
+
+    def _unlock_when_created(self, op_id: str) -> None:
+        """The planner's reconcile ends once its operation's instances are in the registry (every
+        target created, or the operation over): the next request for the model goes then."""
+        op = self.ops.get(op_id)
+        model = op.info.model if op is not None else None
+        if op is not None and not op.ended and any(t.state == "creating" for t in op.targets.values()):
+            return
+        for name, holder in list(self.locked.items()):
+            if holder == op_id:
+                model = name
+                self.locked[name] = None
+        if model is not None and self.waiting[model]:
+            self.q.at(self.q.now, self._reconcile, self.waiting[model].popleft())
+
+    def _op_event(self, op_id: str, event: object) -> None:
+        op = self.ops.get(op_id)
+        if op is None:
+            return
+        op, effects = so.step(op, event, self.q.now)
+        self.ops[op_id] = op
+        self._op_effects(op_id, effects)
+        if op.settled:
+            self.ops.pop(op_id, None)
+        if self.locked.get(op.info.model) == op_id:
+            self._unlock_when_created(op_id)
+
+    def _op_tick(self, op_id: str) -> None:
+        if op_id in self.ops:
+            self._op_event(op_id, so.Tick())
+            self.q.after(so.Timers().tick_s, self._op_tick, op_id)
+
+    def _to_op(self, op_id: str | None, event: object, delay: float | None = None) -> None:
+        if op_id is not None:
+            self.q.after(self.ctl.nats_hop_s if delay is None else delay, self._op_event, op_id, event)
+
+    def _op_effects(self, op_id: str, effects: list) -> None:
+        hop, call = self.ctl.nats_hop_s, self.ctl.call_s
+        for e in effects:
+            if isinstance(e, so.SendParts):
+                nodes = e.scale.nodes()
+                self.transfers[e.transfer_id] = multicast_arrivals(
+                    e.scale.multicast, nodes, self.block_bytes, self.fabric, self.q.now + call,
+                    step_overhead_s=self.p.step_overhead_s, chunk_bytes=self.p.chunk_bytes)
+                self._to_op(op_id, so.PartsAnswered(tuple(nodes)), call)
+            elif isinstance(e, so.CreateInstance):
+                info = m.InstanceInfo.model_construct(
+                    instance_id=e.load.instance_id, model=e.load.model, mode="local", state=m.InstanceState.loading,
+                    created_at=self.q.now, stages=[m.Stage.model_construct(worker_id=e.worker_id, block_start=0,
+                                                                           block_end=self.p.n_blocks)],
+                    scale_op_id=e.load.scale_op_id, ready_at=None, loaded_at=None, max_batch=self.p.max_batch,
+                    device="cuda", version=1)
+                self._set_instance(info)  # the planner awaits the registry's create (its lock holds meanwhile)
+                self._to_op(op_id, so.InstanceCreated(e.load.instance_id), call)
+            elif isinstance(e, so.SendLoad):
+                self.q.after(hop, self._worker_load, op_id, e.worker_id, e.load)
+            elif isinstance(e, so.Announce):
+                self.q.after(hop, self._announced, e.instance)
+            elif isinstance(e, so.FormPipeline):
+                self.q.after(hop, self._set_instance, e.instance)
+                self._to_op(op_id, so.PipelineRegistered(e.instance.instance_id), call)
+            elif isinstance(e, so.StartPipeline):
+                self.q.after(call, self._start_pipeline, op_id, e.workers, e.start)
+            elif isinstance(e, so.SwitchPipeline):
+                self.q.after(hop, self._unload, op_id, e.unload, True)
+            elif isinstance(e, so.Drain):
+                self.q.after(hop, self._unload, op_id, e.unload, False)
+            elif isinstance(e, so.FormPair):
+                # Live pairs (BlitzScale §5.2) are not simulated: the pair is refused, both sides go on alone.
+                if "live pairs are not simulated (blitzscale runs as blitzscale-nopairs)" not in self.notes:
+                    self.notes.append("live pairs are not simulated (blitzscale runs as blitzscale-nopairs)")
+                self._to_op(op_id, so.PairAnswered(e.form.target_instance, "live pairs are not simulated"), call)
+            elif isinstance(e, so.CheckInstances):
+                for iid in e.instance_ids:
+                    if iid in self.registry:
+                        self._to_op(op_id, so.InstanceReported(self.registry[iid]), self.ctl.registry_read_s)
+            elif isinstance(e, so.Ended):
+                self._closed(e.info)
+            # Record, Trace, Log, UnloadStages (a stage only hosts blocks), CancelParts: nothing to time
+
+    def _closed(self, info: m.ScaleOpInfo) -> None:
+        if info.direction != "up":
+            return
+        t = info.timings
+        ready = [v for k, v in t.items() if k.startswith(("ready:", "pipeline_ready:"))]
+        loaded = [v for k, v in t.items() if k.startswith("loaded:")]
+        self.closed_ops.append({
+            "op": info.scale_op_id, "model": info.model, "algorithm": info.plan.get("algorithm", info.plan.get("kind")),
+            "targets": info.to_instances - info.from_instances, "decided": t["decided"],
+            "first_capacity_s": (min(ready) - t["decided"]) if ready else None,
+            "first_loaded_s": (min(loaded) - t["decided"]) if loaded else None,
+            "last_loaded_s": (max(loaded) - t["decided"]) if loaded else None,
+            "done_s": t["done"] - t["decided"],
+            "pipelines": sum(1 for k in t if k.startswith("pipeline_ready:"))})
+
+    def _announced(self, info: m.InstanceInfo) -> None:
+        self._set_instance(info)
+
+    # ------------------------------------------------------------------ workers
+    def _worker_load(self, op_id: str, worker: str, load: m.LoadModel) -> None:
+        now = self.q.now
+        blocks = tuple(range(load.block_start, load.block_end))
+        life, effects = lc.step(lc.Lifecycle(load.instance_id), lc.LoadAsked(blocks, load.serve_while_loading))
+        inst = SimInstance(load.instance_id, load.model, (worker,), "local", life)
+        self._add_inst(inst)
+        self._to_op(op_id, so.LoadAnswered(load.instance_id))
+        sizes = self.block_bytes
+        if load.preheld:
+            engine = [now] * len(sizes)
+            build = now
+        else:
+            arrivals = self.transfers.get(load.incoming_transfer or "", {}).get(worker)
+            held = self._holds_host(load.model, worker)
+            if arrivals is not None:
+                in_host = [now if h else a for h, a in zip(held, arrivals)]
+            elif all(held):
+                in_host = [now] * len(sizes)
+            else:
+                disk = self.storage.disk_reads([s for s, h in zip(sizes, held) if not h], now)
+                it = iter(disk)
+                in_host = [now if h else next(it) for h in held]
+            for b, t in enumerate(in_host):
+                self.q.at(t, self._replica, load.model, worker, b, HOST, True)
+            engine = self.storage.to_engine(in_host, sizes, now)
+            build = now + self.p.engine_build_s
+        inst.compute_from = max(max(engine), build)
+        self.q.at(build, self._worker_event, inst.iid, op_id, lc.EngineBuilt())
+        for b, t in enumerate(engine):
+            self.q.at(t, self._worker_event, inst.iid, op_id, lc.BlockInEngine(b))
+        # the load task ends after its last block (and the engine's construction)
+        self.q.at(inst.compute_from, self._worker_event, inst.iid, op_id, lc.LoadFinished())
+
+    def _worker_event(self, iid: str, op_id: str, event: object) -> None:
+        inst = self.insts.get(iid)
+        if inst is None:
+            return
+        inst.life, effects = lc.step(inst.life, event)
+        self._worker_effects(inst, effects, op_id)
+        if isinstance(event, lc.BlockInEngine):
+            self._replica(inst.model, inst.workers[0], event.block, GPU, True)
+            op = self.ops.get(op_id)
+            if op is not None and op.watch is not None and not op.watch.closed:
+                ev = m.BlockEvent.model_construct(model=inst.model, block_id=event.block, worker_id=inst.workers[0],
+                                                  tier=GPU, state=READY, nbytes=self.block_bytes[event.block],
+                                                  seconds=0.0, scale_op_id=op_id, from_tier=HOST, version=1)
+                self._to_op(op_id, so.BlockReported(ev))
+
+    def _worker_effects(self, inst: SimInstance, effects: list, op_id: str | None = None) -> None:
+        now = self.q.now
+        op_id = op_id or self.registry.get(inst.iid, m.InstanceInfo.model_construct(scale_op_id=None)).scale_op_id
+        for e in effects:
+            if isinstance(e, lc.Attach):
+                self._report(inst, op_id, m.InstanceState.ready, ready_at=now)
+                self._dispatch(inst.model)
+            elif isinstance(e, lc.ReportLoaded):
+                self._report(inst, op_id, m.InstanceState.ready, loaded_at=now)
+            elif isinstance(e, lc.Drain):
+                if not inst.life.requests:
+                    self.q.at(now, self._worker_event, inst.iid, op_id, lc.Drained())
+                else:
+                    self.q.after(e.timeout_s, self._worker_event, inst.iid, op_id, lc.Drained())
+            elif isinstance(e, lc.EvictFromEngine):
+                for b in e.blocks:
+                    self._replica(inst.model, inst.workers[0], b, GPU, False)
+            elif isinstance(e, lc.ReleasePins) and e.keep_alive_s is not None:
+                self.q.after(e.keep_alive_s, self._expire_host, inst.model, inst.workers[0])
+            elif isinstance(e, lc.Detach):
+                self._hand_over(inst)
+            elif isinstance(e, lc.EndLoad):
+                # unloaded while loading: the load task stops at this step, and says so
+                self.q.at(now, self._worker_event, inst.iid, op_id, lc.LoadFailed(e.reason))
+            elif isinstance(e, lc.ReportStopped):
+                self._drop_inst(inst)
+                self._report(inst, op_id, m.InstanceState.failed if e.failed else m.InstanceState.stopped)
+
+    def _expire_host(self, model: str, worker: str) -> None:
+        # the host cache's keep-alive ran out, unless an instance of the model runs there again
+        if any(i.model == model and i.kind == "local" for i in self.on_worker[worker].values()):
+            return
+        for b in range(self.p.n_blocks):
+            self._replica(model, worker, b, HOST, False)
+
+    def _report(self, inst: SimInstance, op_id: str | None, state: m.InstanceState, **times: float) -> None:
+        prev = self.registry.get(inst.iid)
+        if prev is None:
+            return
+        info = prev.model_copy(update={"state": state, **times})
+        self.q.after(self.ctl.nats_hop_s, self._set_instance, info)
+        self._to_op(op_id, so.InstanceReported(info))
+
+    def _start_pipeline(self, op_id: str, workers: tuple[str, ...], start: m.StartPipeline) -> None:
+        life, _ = lc.step(lc.Lifecycle(start.instance_id), lc.PipelineStarted(entry=True))
+        inst = SimInstance(start.instance_id, start.model, tuple(workers), "pipeline", life, compute_from=self.q.now)
+        self._add_inst(inst)
+        prev = self.registry.get(inst.iid)
+        if prev is not None:
+            self._set_instance(prev.model_copy(update={"state": m.InstanceState.ready, "ready_at": self.q.now}))
+        self._to_op(op_id, so.PipelineStartAnswered(inst.iid))
+        self._dispatch(inst.model)
+
+    def _unload(self, op_id: str, unload: m.UnloadModel, switch: bool) -> None:
+        inst = self.insts.get(unload.instance_id)
+        if inst is None:
+            self._to_op(op_id, (so.SwitchAnswered if switch else so.DrainAnswered)(unload.instance_id, lc.NOT_HERE))
+            return
+        self._advance(inst)
+        inst.life, effects = lc.step(inst.life, lc.UnloadAsked(
+            switched_to=tuple(unload.switched_to), drain_timeout_s=unload.drain_timeout_s,
+            keep_alive_s=unload.host_keep_alive_s))
+        if switch:
+            # λScale §4.4: the entry finishes its step, its requests move to the local instances
+            self._hand_over(inst)
+            inst.life, more = lc.step(inst.life, lc.Drained())
+            effects += more
+        self._worker_effects(inst, effects, op_id)
+        self._to_op(op_id, (so.SwitchAnswered if switch else so.DrainAnswered)(unload.instance_id))
+
+    def _hand_over(self, inst: SimInstance) -> None:
+        """Requests still on an instance that stops go back to the gateway's queue, first; they
+        rebuild their KV (a prefill of prompt + tokens so far) where they land."""
+        moved = [*inst.prefilling, *inst.decoding.values()]
+        inst.prefilling.clear()
+        inst.decoding.clear()
+        inst.version += 1
+        for r in reversed(moved):
+            self.running[r.model] -= 1
+            if r.first_token is not None:
+                r.recompute = r.prompt + int(r.generated)
+            inst.life, _ = lc.step(inst.life, lc.RequestEnded(r.rid))
+            self.queue[r.model].appendleft(r)
+        if moved:
+            self.q.at(self.q.now, self._dispatch, inst.model)
+
+    # ------------------------------------------------------------------ run
+    def run(self, progress: Callable[[float], None] | None = None) -> RunResult:
+        end = self.last_arrival + self.cfg.horizon_after_s
+        self.q.run(until=end, progress=progress)
+        for r in self.requests:
+            if r.done is None and r.lost is None:
+                r.lost = "unfinished at the end"
+        return RunResult(self.cfg.mode, self.requests, self.series, self.closed_ops, self.q.processed,
+                         min(end, self.q.now), self.notes)
+
+
+def autoscale_policy(cfg: FleetConfig) -> tuple[str, dict[str, float]]:
+    from libs.planning.scaleout import deploy_policy
+
+    return deploy_policy(cfg.mode, cfg.policy, {})
+
+
+def simulate(cfg: FleetConfig, profile: SimProfile, requests: Sequence[tuple[float, int, int]],
+             progress: Callable[[float], None] | None = None) -> RunResult:
+    return Simulation(cfg, profile, requests).run(progress)

@@ -1,0 +1,127 @@
+"""The fleet simulator drives layercast's own decisions: patching one changes what it simulates."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import libs.planning.autoscale as autoscale_mod
+import libs.planning.instance as instance_mod
+import libs.planning.scaleop as scaleop_mod
+import libs.planning.scaleout as scaleout_mod
+from libs.planning.multicast import build_plan, schedule_steps, step_bound_s
+from libs.sim.fleet import FleetConfig, simulate
+from libs.sim.profile import profile_from_dict
+from libs.sim.report import summarize
+from libs.sim.timemodel import Fabric, multicast_arrivals
+from tests.unit.sim.conftest import PROFILE
+
+# A burst of 40 at t=1 s, then a trickle: short runs (coarse tick, short horizon) for the CI budget.
+BURST = [(1.0, 512, 32)] * 100 + [(20.0 + i, 256, 16) for i in range(5)]
+
+BIG_BURST = [(1.0, 512, 32)] * 200
+
+
+def cfg(mode: str, nodes: int = 8, **kw) -> FleetConfig:
+    return FleetConfig(nodes=nodes, mode=mode, tick_s=0.25, horizon_after_s=40.0, keep_alive_s=10.0, **kw)
+
+
+def fingerprint(res):
+    return ([(r.rid, r.first_token, r.done, r.lost) for r in res.requests], res.instance_series,
+            [sorted(o.items()) for o in res.scale_ops], res.events)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), trace=st.lists(
+    st.tuples(st.floats(0, 20), st.integers(1, 2048), st.integers(1, 64)), min_size=1, max_size=25),
+    mode=st.sampled_from(["layercast", "binomial", "serverlessllm"]), models=st.integers(1, 2))
+def test_a_run_is_deterministic_for_a_seed(profile, seed, trace, mode, models):
+    trace = sorted(trace)
+    a = simulate(cfg(mode, nodes=4, seed=seed, models=models), profile, trace)
+    b = simulate(cfg(mode, nodes=4, seed=seed, models=models), profile, trace)
+    assert fingerprint(a) == fingerprint(b)
+    assert all(r.done is not None or r.lost for r in a.requests)
+
+
+def test_the_burst_scales_out_and_serves_everything(profile):
+    res = simulate(cfg("layercast"), profile, BURST)
+    s = summarize(res, 2.0, 0.25)
+    assert s["requests_lost"] == 0 and s["scale_outs"] >= 2
+    assert s["max_instances"] == 8  # 100 requests, target 8 in flight per instance: every node
+
+
+def test_layercast_serves_from_execution_pipelines_while_a_binomial_multicast_runs(profile):
+    # 1 -> 15 over 100 Gbit/s: the planner's choice is binomial, whose receivers form pipelines
+    res = simulate(cfg("layercast", nodes=16), profile, BIG_BURST)
+    ops = [o for o in res.scale_ops if o["algorithm"] == "binomial"]
+    assert ops and any(o["pipelines"] for o in ops)
+    assert all(r.done is not None for r in res.requests)
+
+
+def test_the_autoscaling_policy_is_the_load_monitors(profile, monkeypatch):
+    monkeypatch.setattr(autoscale_mod, "concurrency_policy", lambda window, cfg, last_request_at=None: 2)
+    res = simulate(cfg("layercast"), profile, BURST)
+    assert max(n for _, n in res.instance_series) == 2
+
+
+def test_placement_is_the_planners(profile, monkeypatch):
+    monkeypatch.setattr(scaleout_mod, "pick_targets", lambda *a, **kw: [])
+    res = simulate(cfg("layercast"), profile, BURST)
+    assert not res.scale_ops and all(r.lost for r in res.requests)
+
+
+def test_pipelines_to_form_are_the_scale_operations(profile, monkeypatch):
+    monkeypatch.setattr(scaleop_mod, "pipelines_to_form", lambda *a, **kw: [])
+    res = simulate(cfg("layercast", nodes=16), profile, BIG_BURST)
+    assert res.scale_ops and not any(o["pipelines"] for o in res.scale_ops)
+
+
+def test_admission_is_the_instance_lifecycles(profile, monkeypatch):
+    real = instance_mod.step
+
+    def refuse(s, ev):
+        if isinstance(ev, instance_mod.RequestAdmitted):
+            return s, [instance_mod.Refuse("no", code="unavailable")]
+        return real(s, ev)
+
+    monkeypatch.setattr(instance_mod, "step", refuse)
+    res = simulate(cfg("layercast"), profile, BURST)
+    assert all(r.first_token is None for r in res.requests)
+
+
+def test_ideal_binomial_and_serverlessllm_scale_as_their_modes_say(profile):
+    ideal = simulate(cfg("ideal"), profile, BURST)
+    assert all(o["first_capacity_s"] < 0.05 for o in ideal.scale_ops)  # control plane only
+    binomial = simulate(cfg("binomial"), profile, BURST)
+    for o in binomial.scale_ops:  # stop-the-world: serving once every block is in
+        assert o["first_capacity_s"] == pytest.approx(o["first_loaded_s"], abs=0.01)
+    sllm = simulate(cfg("serverlessllm"), profile, BURST)
+    first = sllm.scale_ops[0]  # nothing in host memory: the disk, then the copies to the device
+    disk = 1e9 / 2e9 + 1e9 / 32 / 20e9
+    assert disk < first["last_loaded_s"] < disk + 0.1
+    assert max(o["last_loaded_s"] for o in binomial.scale_ops) < first["last_loaded_s"]
+
+
+def test_blitzscale_runs_without_live_pairs_and_says_so(profile):
+    res = simulate(cfg("blitzscale"), profile, BURST)
+    assert all(o["algorithm"] in ("chain", "local-load") for o in res.scale_ops)
+    assert not res.notes or "live pairs are not simulated" in res.notes[0]
+
+
+def test_a_1_to_64_binomial_of_a_13b_model_at_200g_is_within_1_1x_its_bound():
+    fabric = Fabric(200.0, {f"n{i}": "leaf-0" for i in range(65)})
+    plan = build_plan("binomial", 65, 16, 1)
+    size = 26_000_000_000
+    arr = multicast_arrivals(plan, list(fabric.leaf_of), [size // 16] * 16, fabric, 0.0,
+                             step_overhead_s=scaleout_mod.STEP_OVERHEAD_S, chunk_bytes=4 << 20)
+    bound = step_bound_s(schedule_steps(plan.schedule), 16, size, 200e9 / 8)
+    assert bound <= max(max(v) for v in arr.values()) <= 1.1 * bound
+
+
+def test_bad_configs_are_refused(profile):
+    with pytest.raises(ValueError, match="unknown scaling mode"):
+        FleetConfig(nodes=4, mode="nope")
+    with pytest.raises(ValueError, match="sharing"):
+        FleetConfig(nodes=4, mode="layercast", sharing="x")
+    with pytest.raises(ValueError, match="leaves"):
+        FleetConfig(nodes=2, mode="layercast", leaves=3)
+    assert profile_from_dict(PROFILE).max_batch == 8
