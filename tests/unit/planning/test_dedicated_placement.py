@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from libs.planning.placement import DedicatedPick, Resident, eviction_key, pick_dedicated_targets
 from libs.planning.scaleout import plan_scale_out
 from libs.protocol import messages as m
-from tests.unit.planning.test_scaleout import _copy, _instance, _model, _request, _view, _worker
+from test_scaleout import _copy, _instance, _model, _request, _view, _worker
 
 MODELS = ("a", "b", "c", "d")
 

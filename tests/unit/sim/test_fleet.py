@@ -10,10 +10,8 @@ import libs.planning.scaleop as scaleop_mod
 import libs.planning.scaleout as scaleout_mod
 from libs.planning.multicast import build_plan, schedule_steps, step_bound_s
 from libs.sim.fleet import FleetConfig, simulate
-from libs.sim.profile import profile_from_dict
 from libs.sim.report import summarize
 from libs.sim.timemodel import Fabric, multicast_arrivals
-from tests.unit.sim.conftest import PROFILE
 
 # A burst of 40 at t=1 s, then a trickle: short runs (coarse tick, short horizon) for the CI budget.
 BURST = [(1.0, 512, 32)] * 100 + [(20.0 + i, 256, 16) for i in range(5)]
@@ -124,4 +122,4 @@ def test_bad_configs_are_refused(profile):
         FleetConfig(nodes=4, mode="layercast", sharing="x")
     with pytest.raises(ValueError, match="leaves"):
         FleetConfig(nodes=2, mode="layercast", leaves=3)
-    assert profile_from_dict(PROFILE).max_batch == 8
+    assert profile.max_batch == 8
