@@ -17,6 +17,8 @@ from libs.checkpoint import CheckpointIndex, convert_checkpoint, create_demo_che
 from libs.engine import Engine, LayerRange, LocalStage, RemoteStage, SamplingSpec, StageServer
 from libs.transfer.tcp.transport import TcpTransport
 
+pytestmark = pytest.mark.slow  # two slowed runs of the model: a few seconds
+
 ROWS, NEW_TOKENS = 8, 10
 PROMPT = [1, 17, 200, 45, 301, 99]
 DELAY_S = 0.012  # per layer and row of a forward pass: far above the tiny model's compute
