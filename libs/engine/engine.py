@@ -35,6 +35,7 @@ import json
 import logging
 import operator
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from typing import Literal
 import torch
 
 from libs.checkpoint import CheckpointIndex, load_block
+from libs.planning.microbatches import MicroBatch, MicroBatchSchedule
 
 from .grammar import Constraint, grammar_tokenizer
 from .kv import kv_bytes_per_slot
@@ -137,6 +139,17 @@ class _Pass:
 _PAIR_FAILURES = (ConnectionError, TimeoutError, RuntimeError)
 
 
+@dataclass
+class _Flight:
+    """A micro-batch in a pipeline's stages: its passes, each one's input to the stage it is at
+    (its output once it left the last), and the replies awaited from a stage elsewhere."""
+
+    mb: MicroBatch
+    passes: list[_Pass]
+    x: list[torch.Tensor]
+    futures: list[concurrent.futures.Future] | None = None
+
+
 def _split(items: list, parts: int) -> list[list]:
     """`items` in at most `parts` contiguous groups whose sizes differ by one at most."""
     parts = min(parts, len(items))
@@ -204,6 +217,10 @@ class Engine:
         self._split_of: dict[str, int] = {}  # choice key -> blocks its prefill runs on the front (0: none)
         self.pair_error: str | None = None  # why the last pair ended on a failure of its target
         self._on_lost: Callable[[str], None] | None = None
+        # Stages elsewhere: micro-batches stay in flight across steps (2D pipelining).
+        self._schedule = MicroBatchSchedule(len(self.stages)) if self.micro_batches > 1 else None
+        self._flights: dict[int, _Flight] = {}  # micro-batch id -> its passes
+        self._closing: dict[str, _Request] = {}  # cancelled while in flight: its slots free once it lands
 
     @property
     def model(self) -> LayerRange:
@@ -352,9 +369,13 @@ class Engine:
         if self._queue.pop(request_id, None) is not None:
             return True
         running = [r for r in self._active.values() if r.id == request_id]
+        busy = self._schedule.busy() if self._schedule is not None else set()
         for req in running:
             del self._active[req.key]
-            self._close(req)
+            if req.key in busy:  # a stage may still compute it: its slots free when it lands
+                self._closing[req.key] = req
+            else:
+                self._close(req)
         return bool(running)
 
     def abort_remote_stages(self, reason: str) -> None:
@@ -365,7 +386,8 @@ class Engine:
 
     def has_work(self) -> bool:
         """Something to compute: queued requests, prefills, or decodes (held requests wait)."""
-        return bool(self._queue) or any(r.pending or (not r.held and r.output_ids) for r in self._active.values())
+        return bool(self._queue) or bool(self._flights) or any(
+            r.pending or (not r.held and r.output_ids) for r in self._active.values())
 
     @property
     def num_requests(self) -> int:
@@ -374,7 +396,7 @@ class Engine:
 
     @property
     def free_slots(self) -> int:
-        return self.max_batch_size - len(self._active)
+        return self.max_batch_size - len(self._active) - len(self._closing)
 
     # -- elastic KV (LLM-Mesh §6.2) ----------------------------------------------------------
 
@@ -427,20 +449,34 @@ class Engine:
 
     @property
     def micro_batches(self) -> int:
-        """Micro-batches a step keeps in flight: one per stage when a stage runs elsewhere
-        (2D pipelining, λScale Fig. 6a: each stage computes a different micro-batch at once)."""
+        """Micro-batches kept in flight: one per stage when a stage runs elsewhere (2D pipelining,
+        λScale Fig. 6a: each stage computes a different micro-batch at once, across steps)."""
         return len(self.stages) if any(hasattr(st, "submit") for st in self.stages) else 1
 
-    @torch.inference_mode()
-    def step(self) -> list[TokenOutput]:
-        """Admit, decode one token for every running request, then prefill with what is left of the budget."""
+    def _admit(self) -> None:
         # A request's choices are admitted together (none ever waits for a slot mid-request); in order.
-        while self._queue and len(self._active) + len(next(iter(self._queue.values()))) <= self.max_batch_size:
+        # A slot whose cancelled row is still in a stage is not free yet.
+        while self._queue and (len(self._active) + len(self._closing) + len(next(iter(self._queue.values())))
+                               <= self.max_batch_size):
+            group = next(iter(self._queue.values()))
+            if any(req.key in self._closing for req in group):  # the same request, cancelled, still in flight
+                break
             for req in self._queue.popitem(last=False)[1]:
                 for stage in self.stages:
                     stage.open(req.key)
                 req.started = True
                 self._active[req.key] = req
+
+    @torch.inference_mode()
+    def step(self) -> list[TokenOutput]:
+        """Admit, decode one token for every running request, then prefill with what is left of the budget.
+
+        With stages elsewhere (a pipeline), a step is a micro-batch's: the rows go in up to one
+        micro-batch per stage, kept in flight across steps, and the step returns the tokens of the
+        micro-batches that left the last stage (at least one, when any is in flight)."""
+        self._admit()
+        if self._schedule is not None:
+            return self._step_pipelined()
         passes: list[_Pass] = []
         decoding = [r for r in self._active.values()
                     if not r.pending and not r.held and r.output_ids and r.parent is None]
@@ -452,9 +488,15 @@ class Engine:
         self.last_step = StepShape(
             len(decoding), sum(len(r.prompt_ids) + len(r.output_ids) for r in decoding) / max(1, len(decoding)),
             sum(p.q_len * len(p.requests) for p in prefills), len({r.key for p in prefills for r in p.requests}))
+        return self._sampled(passes, self._run_passes(passes))
+
+    def _sampled(self, passes: list[_Pass], outs: list[torch.Tensor]) -> list[TokenOutput]:
+        """The tokens sampled from the passes' logits (rows cancelled meanwhile left out)."""
         outputs: list[TokenOutput] = []
-        for p, logits in zip(passes, self._run_passes(passes)):
+        for p, logits in zip(passes, outs):
             for i, r in enumerate(p.requests):
+                if self._active.get(r.key) is not r:
+                    continue  # cancelled while its pass was in a stage
                 # The prompt is in: its other choices get its KV (before this one may finish and
                 # free it) and sample their first token from the same logits.
                 forked = self._fork(r) if r.forks and not r.pending else []
@@ -462,6 +504,122 @@ class Engine:
                     outputs.append(self._advance(r, logits[i, -1]))
                 outputs += [self._advance(f, logits[i, -1]) for f in forked if not f.output_ids]
         return outputs
+
+    # -- 2D pipelining across steps (λScale Fig. 6a) --------------------------------------------
+
+    def _step_pipelined(self) -> list[TokenOutput]:
+        """Start micro-batches while the schedule has room, move them through the stages (local
+        ones computed here, the others' calls sent as soon as a micro-batch reaches them) until
+        at least one left the last stage; sample its rows. The others stay in flight: a row's
+        next step starts as soon as its token is sampled, whatever the other micro-batches do."""
+        try:
+            self._launch()
+            landed: list[_Flight] = []
+            while self._flights and not landed:
+                landed = self._drive()
+                if not landed:
+                    landed = self._wait()
+        except BaseException:
+            self._abandon()
+            raise
+        passes = [p for f in landed for p in f.passes]
+        decodes = [r for p in passes if not p.prefill for r in p.requests]
+        prefills = [p for p in passes if p.prefill]
+        self.last_step = StepShape(
+            len(decodes), sum(len(r.prompt_ids) + len(r.output_ids) for r in decodes) / max(1, len(decodes)),
+            sum(p.q_len * len(p.requests) for p in prefills), len({r.key for p in prefills for r in p.requests}))
+        outputs = self._sampled(passes, [x for f in landed for x in f.x])
+        for f in landed:
+            for key in f.mb.rows:
+                if key in self._closing:
+                    self._close(self._closing.pop(key))
+        return outputs
+
+    def _launch(self) -> None:
+        """New micro-batches, while fewer than one per stage are in flight and rows are free."""
+        rows = [r for r in self._active.values() if r.parent is None]  # (forks wait for their parent's KV)
+        while self._schedule.free():
+            decoding = [r.key for r in rows if not r.pending and not r.held and r.output_ids]
+            waiting = [r.key for r in rows if r.pending]
+            group = self._schedule.next_group(decoding, waiting)
+            if group is None:
+                return
+            decodes = [self._active[k] for k in group[0]]
+            passes = []
+            if decodes:
+                ids = torch.tensor([[r.output_ids[-1]] for r in decodes], device=self.device)
+                passes.append(_Pass(decodes, ids, 1, sample=(True,) * len(decodes)))
+            prefills = self._prefill_passes(self.token_budget - len(decodes),
+                                            [self._active[k] for k in group[1]], parts=1)
+            passes += prefills
+            prefilled = list(dict.fromkeys(r.key for p in prefills for r in p.requests))
+            mb = self._schedule.start(group[0], prefilled)
+            self._flights[mb.id] = _Flight(mb, passes, [p.inputs for p in passes])
+
+    def _drive(self) -> list[_Flight]:
+        """Send the micro-batches that reached a stage elsewhere, compute those at a local stage
+        (each stage's queue in order), until none is left to compute here; the flights that left
+        the last stage."""
+        last = len(self.stages) - 1
+        landed: list[_Flight] = []
+        while True:
+            for mb in self._schedule.in_flight:
+                flight, s = self._flights[mb.id], self._schedule.at(mb.id)
+                if hasattr(self.stages[s], "submit") and flight.futures is None:
+                    flight.futures = [self.stages[s].submit(p.ids, x, p.q_len, 1 if s == last else 0)
+                                      for p, x in zip(flight.passes, flight.x)]
+            local = next(((mb, s) for s, st in enumerate(self.stages) if not hasattr(st, "submit")
+                          for mb in self._schedule.queue(s)[:1]), None)
+            if local is None:
+                return landed
+            mb, s = local
+            flight = self._flights[mb.id]
+            flight.x = [self.stages[s].forward(p.ids, x, p.q_len, logits_to_keep=1 if s == last else 0)
+                        for p, x in zip(flight.passes, flight.x)]
+            if self._schedule.passed(mb.id):
+                landed.append(self._flights.pop(mb.id))
+
+    def _wait(self) -> list[_Flight]:
+        """Wait for a stage elsewhere to answer; the micro-batches it moved on (queue order), those
+        that left the last stage returned."""
+        waiting = [f for f in self._flights.values() if f.futures is not None]
+        if not waiting:
+            raise RuntimeError("micro-batches in flight, none computing: the pipeline is stuck")
+        # The first of each stage's queue is the one that can move on: wait until one has every reply.
+        heads = [f for f in waiting if self._schedule.queue(self._schedule.at(f.mb.id))[0] is f.mb]
+        timeout = max(getattr(self.stages[self._schedule.at(f.mb.id)], "timeout_s", 60.0) for f in heads)
+        deadline = time.monotonic() + timeout
+        while not any(all(fu.done() for fu in f.futures) for f in heads):
+            pending = [fu for f in heads for fu in f.futures if not fu.done()]
+            done, _ = concurrent.futures.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            if not done:
+                raise TimeoutError(f"no stage answered within {timeout} s")
+        landed: list[_Flight] = []
+        moved = True
+        while moved:  # each stage's queue in order: a micro-batch passes after the ones before it
+            moved = False
+            for mb in self._schedule.in_flight:
+                flight = self._flights[mb.id]
+                s = self._schedule.at(mb.id)
+                if (flight.futures is None or self._schedule.queue(s)[0].id != mb.id
+                        or not all(fu.done() for fu in flight.futures)):
+                    continue
+                flight.x, flight.futures = [fu.result() for fu in flight.futures], None
+                moved = True
+                if self._schedule.passed(mb.id):
+                    landed.append(self._flights.pop(mb.id))
+                break
+        return landed
+
+    def _abandon(self) -> None:
+        """A stage failed mid-step: nothing stays in flight (the rows' KV there is lost with it);
+        the slots of rows cancelled meanwhile are freed."""
+        self._schedule.drop()
+        self._flights.clear()
+        for req in self._closing.values():
+            self._close(req)
+        self._closing.clear()
 
     def _fork(self, req: _Request) -> list[_Request]:
         forks, req.forks = req.forks, []
@@ -472,7 +630,8 @@ class Engine:
         req.pending, req.tail = req.tail, []
         return forks
 
-    def _prefill_passes(self, budget: int) -> list[_Pass]:
+    def _prefill_passes(self, budget: int, waiting: list[_Request] | None = None, parts: int | None = None
+                        ) -> list[_Pass]:
         """Prompt chunks within `budget` tokens, batched: the requests waiting for prefill go
         through together, a pass taking the next `n` tokens of each of its rows, `n` the
         shortest remainder (a pass reads every weight once, so a burst of prompts costs a few
@@ -480,7 +639,8 @@ class Engine:
         stage when stages run elsewhere. A request gets one chunk a step
         (as before: its chunks never overlap in a pipeline's stages); in admission order."""
         passes: list[_Pass] = []
-        waiting = [r for r in self._active.values() if r.pending and r.parent is None]
+        if waiting is None:
+            waiting = [r for r in self._active.values() if r.pending and r.parent is None]
         while waiting and budget > 0:
             n = min(self.prefill_chunk, *(len(r.pending) for r in waiting))
             rows = waiting[: max(1, budget // n)]
@@ -488,7 +648,7 @@ class Engine:
             budget -= n * len(rows)
             # In a pipeline the rows go as one micro-batch per stage, so the stages compute at
             # once (2D pipelining) instead of taking turns on one big pass.
-            for group in _split(rows, self.micro_batches):
+            for group in _split(rows, self.micro_batches if parts is None else parts):
                 chunks = []
                 for req in group:
                     chunk, req.pending = req.pending[:n], req.pending[n:]
@@ -508,45 +668,11 @@ class Engine:
         return x
 
     def _run_passes(self, passes: list[_Pass]) -> list[torch.Tensor]:
-        """Every pass through every stage; with stages elsewhere, passes overlap: each is sent
-        on to a remote stage as soon as it leaves the one before (stage servers queue calls
-        in order), and local stages compute while remote ones do."""
+        """Every pass through every stage, one after the other (every stage is here: a pipeline
+        with stages elsewhere keeps its micro-batches in flight instead, _step_pipelined)."""
         if self._front is not None:  # a live pair's source: one local stage
             return self._run_paired(passes)
-        if self.micro_batches == 1 or len(passes) < 2:
-            return [self._forward(p.ids, p.inputs, p.q_len) for p in passes]
-        last = len(self.stages) - 1
-        remote = [hasattr(st, "submit") for st in self.stages]
-        timeout = max((st.timeout_s for st, far in zip(self.stages, remote) if far), default=60.0)
-        x = [p.inputs for p in passes]
-        at = [0] * len(passes)  # the stage each pass goes through next
-        waiting: dict[concurrent.futures.Future, int] = {}
-        finished = 0
-
-        def advanced(i: int, out: torch.Tensor) -> int:
-            x[i] = out
-            at[i] += 1
-            return 1 if at[i] > last else 0
-
-        while finished < len(passes):
-            in_flight = set(waiting.values())
-            for i, p in enumerate(passes):
-                if i not in in_flight and at[i] <= last and remote[at[i]]:
-                    waiting[self.stages[at[i]].submit(p.ids, x[i], p.q_len, 1 if at[i] == last else 0)] = i
-            in_flight = set(waiting.values())
-            local = next((i for i in range(len(passes)) if i not in in_flight and at[i] <= last), None)
-            if local is not None:
-                s = at[local]
-                finished += advanced(local, self.stages[s].forward(passes[local].ids, x[local], passes[local].q_len,
-                                                                    logits_to_keep=1 if s == last else 0))
-                continue
-            done, _ = concurrent.futures.wait(waiting, timeout=timeout,
-                                              return_when=concurrent.futures.FIRST_COMPLETED)
-            if not done:
-                raise TimeoutError(f"no stage answered within {timeout} s")
-            for future in done:
-                finished += advanced(waiting.pop(future), future.result())
-        return x
+        return [self._forward(p.ids, p.inputs, p.q_len) for p in passes]
 
     # -- live pair (BlitzScale §5.2) -----------------------------------------------------------------
 

@@ -243,7 +243,7 @@ def test_2d_pipelining_keeps_every_stage_busy_with_its_own_micro_batch(four_bloc
 
 
 def test_a_burst_of_prompts_is_prefilled_in_micro_batches_the_stages_compute_at_once(four_blocks, expected):
-    """A burst's prefill is one step: its rows go as one micro-batch per stage, so the second
+    """A burst's prefill goes as one micro-batch per stage, so the second
     stage works on the first micro-batch while the first stage takes the next (one pass for all
     rows would leave one stage idle while the other computes). Prefilled tokens stay exact."""
     index = CheckpointIndex.load(four_blocks)
@@ -259,7 +259,9 @@ def test_a_burst_of_prompts_is_prefilled_in_micro_batches_the_stages_compute_at_
         for i in range(4):
             engine.add_request(f"b{i}", prompt, greedy())
         _Clocked.most = 0
-        first = engine.step()  # the prefill of all four, nothing decoding yet
+        first = engine.step()  # the prefill of the first micro-batch (a step returns each as it lands)
+        while len(first) < 4:
+            first += engine.step()
         assert sorted(o.request_id for o in first) == [f"b{i}" for i in range(4)]
         assert all(o.token_id == expected[0][0] for o in first)
         assert _Clocked.most >= 2
