@@ -608,6 +608,9 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
 
     @app.get("/admin/v1/usage", dependencies=[Depends(admin_key)], responses=errors(ADMIN_KEY))
     async def usage(key: str | None = None, model: str | None = None) -> dict:
+        for name, value in (("key", key), ("model", model)):
+            if value is not None and "\x00" in value:  # no stored name has one (Postgres text cannot)
+                raise APIError(400, f"{name} must not contain a NUL character", param=name)
         await tenants.flush()  # this gateway's latest counts too
         report = await _registry(subjects.REGISTRY_USAGE_GET, m.GetUsage(key=key, model=model), m.UsageReport)
         return {"object": "list", "data": [{**u.model_dump(mode="json"),

@@ -39,7 +39,9 @@ def mutated(draw, real: dict) -> dict:
     d = json.loads(json.dumps(real))
     for _ in range(draw(st.integers(1, 3))):
         where = draw(st.sampled_from(["top", "block", "tensor"]))
-        target = d if where == "top" else draw(st.sampled_from(d[where + "s"] or [d]))
+        # an earlier change may have removed the list or replaced it (or its items) by another type
+        items = [x for x in d.get(where + "s") or [] if isinstance(x, dict)] if isinstance(d.get(where + "s"), list) else []
+        target = d if where == "top" or not items else draw(st.sampled_from(items))
         key = draw(st.sampled_from(sorted(target) + ["extra"]))
         if draw(st.integers(0, 5)) == 0:
             target.pop(key, None)
