@@ -114,12 +114,29 @@ def _describe(error: ValidationError) -> str:
     return f"{where}: {first['msg']} ({error.error_count()} error(s))"
 
 
+def _has_nul(value: Any, depth: int = 0) -> bool:
+    """Whether a decoded message holds a NUL character in any string (keys included)."""
+    if isinstance(value, str):
+        return "\x00" in value
+    if depth > 64:  # deeper than any message of ours: pydantic refuses it anyway
+        return False
+    if isinstance(value, dict):
+        return any(_has_nul(k, depth + 1) or _has_nul(v, depth + 1) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v, depth + 1) for v in value)
+    return False
+
+
 def rpc(model: type[M]) -> Callable[[Callable[[M], Awaitable[BaseModel]]], Callable[..., Awaitable[dict]]]:
     """Wrap an RPC handler `async def h(req: model) -> BaseModel` for `broker.subscriber`."""
 
     def wrap(handler: Callable[[M], Awaitable[BaseModel]]) -> Callable[..., Awaitable[dict]]:
         @functools.wraps(handler)
         async def wrapper(body: Any) -> dict:
+            if _has_nul(body):  # Postgres text and JSON cannot hold one: refuse it as bad input, not a 5xx
+                log.warning("rejected %s with a NUL character", model.__name__)
+                return ErrorReply(error=f"{model.__name__}: text must not contain a NUL character",
+                                  code="invalid").model_dump(mode="json")
             try:
                 request = model.model_validate(body)
             except ValidationError as e:

@@ -606,7 +606,7 @@ def create_app(service: GatewayService, api_keys: list[str], admin_keys: list[st
         tenants.forget(key_id)  # refused here at once; other gateways within their cache time
         return {**info.model_dump(mode="json"), "revoked": True}
 
-    @app.get("/admin/v1/usage", dependencies=[Depends(admin_key)], responses=errors(ADMIN_KEY))
+    @app.get("/admin/v1/usage", dependencies=[Depends(admin_key)], responses=errors(ADMIN_KEY, INVALID))
     async def usage(key: str | None = None, model: str | None = None) -> dict:
         for name, value in (("key", key), ("model", model)):
             if value is not None and "\x00" in value:  # no stored name has one (Postgres text cannot)

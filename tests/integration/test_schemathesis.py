@@ -72,7 +72,12 @@ def test_schemathesis_finds_no_server_error_undeclared_status_or_schema_violatio
     junit = tmp_path / "junit.xml"
     run = subprocess.run(
         [sys.executable, "-m", "schemathesis.cli", "--config-file", str(config), "--no-color", "run",
-         f"{cluster.gateway_url}/openapi.json", "--checks", "all", "--max-examples", str(MAX_EXAMPLES),
+         f"{cluster.gateway_url}/openapi.json", "--checks", "all",
+         # Not negative_data_rejection: the gateway's models are pydantic's lax ones (true is taken as
+         # 1, null as an optional list's absence), so "schema-violating request accepted" flags
+         # coercions, not faults; the gateway's own 400s are checked in tests/unit/gateway/test_openapi.py.
+         # Server errors, undeclared statuses and response schemas (what the issue asks) stay checked.
+         "--exclude-checks", "negative_data_rejection", "--max-examples", str(MAX_EXAMPLES),
          "--max-time", str(MAX_TIME_S), "--request-timeout", str(REQUEST_TIMEOUT_S), "--seed", "40",
          "--phases", "fuzzing,stateful", "--suppress-health-check", "all", "--workers", "2",
          "--report", "junit", "--report-junit-path", str(junit)],
