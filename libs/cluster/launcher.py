@@ -264,9 +264,8 @@ def start_cluster(spec: ClusterSpec, timeout_s: float = 120.0, emulation: "Emula
         tls = (cert, key) if cert else None
         proc, nats_url = start_nats(state_dir, port, host, passwords=passwords, namespace=spec.namespace, tls=tls)
         started.append(proc)
-        # The argv a restart runs again (nats.conf is already written: the same passwords).
-        argv = nats_argv(state_dir, port, host, passwords, spec.namespace, tls)
-        procs.append(ProcessInfo("nats", proc.pid, None, str(state_dir / "logs" / "nats.log"), argv=argv,
+        # A restart runs the same argv (its nats.conf, written once, keeps the same passwords).
+        procs.append(ProcessInfo("nats", proc.pid, None, str(state_dir / "logs" / "nats.log"), argv=list(proc.args),
                                  cwd=str(state_dir)))
         # Tools that watch the cluster (benchmarks, tests) connect as the operator, through the state file.
         operator_url = nats_url.replace("nats://", f"nats://{OPERATOR}:{passwords[OPERATOR]}@", 1)
