@@ -3,6 +3,10 @@ VENV ?= .venv
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
+# Test processes: a file's tests stay in one process (they share module-scoped clusters); every
+# test has its own database and NATS subjects, so files run side by side. TEST_PROCESSES=0: serial.
+# The 40 slowest tests are listed at the end: where CI time goes.
+TEST_PROCESSES ?= 3
 
 .PHONY: install demo test clean
 
@@ -24,7 +28,8 @@ demo: install
 
 test: install
 	$(BIN)/lint-imports
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_PROCESSES) --dist loadfile --durations=40 -m "not alone"
+	$(BIN)/pytest -p no:xdist --durations=5 -m alone
 
 clean:
 	rm -rf $(VENV) .layercast

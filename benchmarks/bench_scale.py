@@ -299,8 +299,18 @@ def overload_report(counter: _Overload, *, decided: float, all_loaded: float | N
             "overload_tokens_per_s_timeline": total, "source_tokens_per_s_timeline": source}
 
 
-def plot_timelines(path: Path, lines: dict[str, list[float]], step_s: float, title: str) -> None:
-    """Tokens/s after the decision, one line per mode (matplotlib, as `bench trace --plot`)."""
+def timeline_marks(timings_s: dict[str, float]) -> list[tuple[str, float]]:
+    """When the scale-out's execution pipelines formed and switched to local instances, in
+    seconds after the decision (a scale operation's `pipeline_ready:` and `switched:` events)."""
+    names = {"pipeline_ready:": "pipeline formed", "switched:": "switched"}
+    return sorted(((label, t) for key, t in timings_s.items() for prefix, label in names.items()
+                   if key.startswith(prefix)), key=lambda m: m[1])
+
+
+def plot_timelines(path: Path, lines: dict[str, list[float]], step_s: float, title: str,
+                   marks: dict[str, list[tuple[str, float]]] | None = None) -> None:
+    """Tokens/s after the decision, one line per mode (matplotlib, as `bench trace --plot`);
+    `marks` (per mode, timeline_marks) draws when its pipelines formed (dashed) and switched (dotted)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -308,7 +318,13 @@ def plot_timelines(path: Path, lines: dict[str, list[float]], step_s: float, tit
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     for mode, values in lines.items():
-        ax.plot([i * step_s for i in range(len(values))], values, label=mode, linewidth=1.2)
+        (line,) = ax.plot([i * step_s for i in range(len(values))], values, label=mode, linewidth=1.2)
+        for label, t in (marks or {}).get(mode, []):
+            ax.axvline(t, color=line.get_color(), linewidth=0.9, alpha=0.7,
+                       linestyle="--" if label == "pipeline formed" else ":")
+    if any((marks or {}).values()):
+        ax.plot([], [], color="grey", linestyle="--", label="pipeline formed")
+        ax.plot([], [], color="grey", linestyle=":", label="pipeline switched")
     ax.set_xlabel("seconds after the scale decision")
     ax.set_ylabel(f"tokens / s (bins of {step_s:g} s)")
     ax.set_title(title)
@@ -476,6 +492,30 @@ def overload_comparison(by: dict[str, dict]) -> dict:
     return out
 
 
+def burst_overheads(by: dict[str, dict]) -> dict:
+    """Each mode's burst figures over `ideal`'s in the same run (every worker already holding
+    the model: what is left is serving itself), in seconds, and layercast's overhead as a
+    multiple of the others' (issue 41: <= 0.7 x binomial's, <= 0.25 x serverlessllm's); its new
+    capacity's first token against binomial's, as measured."""
+    ideal = by.get("ideal") or {}
+    out = {}
+    for key in BURST_KEYS:
+        if ideal.get(key) is None:
+            continue
+        for mode, r in by.items():
+            if mode != "ideal" and r.get(key) is not None:
+                out[f"{mode}_{key[:-2]}_over_ideal_s"] = r[key] - ideal[key]
+    mine = out.get("layercast_burst_first_token_over_ideal_s")
+    for other in ("binomial", "serverlessllm", "faasnet"):
+        theirs = out.get(f"{other}_burst_first_token_over_ideal_s")
+        if mine is not None and theirs and theirs > 0:
+            out[f"layercast_over_{other}_burst_overhead"] = mine / theirs
+    a, b = ((by.get(m) or {}).get("new_capacity_first_token_s") for m in ("layercast", "binomial"))
+    if a is not None and b:
+        out["layercast_over_binomial_new_capacity_first_token"] = a / b
+    return out
+
+
 BURST_KEYS = ("burst_first_token_s", "new_capacity_first_token_s")
 TRIAL_KEYS = ("first_byte_s", "all_ready_s", *BURST_KEYS, "bound_s", "ratio_to_bound", "timings_s", "burst_requests",
               "overload_latency", "first_rise_s", "first_rise_layer_loads", "pair_events_s", "live_pair_splits",
@@ -548,6 +588,8 @@ def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: in
             if mine.get("burst_first_token_s") and by.get(other, {}).get("burst_first_token_s"):
                 comparison[f"layercast_over_{other}_burst_first_token"] = (
                     mine["burst_first_token_s"] / by[other]["burst_first_token_s"])
+    if burst:
+        comparison |= burst_overheads(by)
     if overload_rps:
         comparison |= overload_comparison(by)
     return {"workers": workers, "from": from_n, "to": to_n, "repeat": repeat, "kv_cache_gb": KV_CACHE_GB,

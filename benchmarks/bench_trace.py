@@ -52,6 +52,8 @@ from benchmarks.trace_replay import (
     parse_trace,
     percentiles,
     rate_series,
+    scale_out_summary,
+    scale_out_times,
     slo_attainment,
     transform_summary,
 )
@@ -341,6 +343,8 @@ def summarize_mode(mode: str, handle: ClusterHandle, wall0: float, outcomes: Seq
     ok = [o for o in outcomes if o.ok]
     failed = [o for o in outcomes if not o.ok]
     lag = [max(0.0, o.sent_s - o.scheduled_s) for o in outcomes]
+    ups = scale_out_times((o.direction, o.timings, o.plan) for o in handle.recorder.scale_ops(
+        since=wall0, until=t_end, model=handle.model))
     row = {
         "mode": mode,
         "ttft_s": percentiles((o.ttft_s for o in ok), digits=5),
@@ -351,6 +355,9 @@ def summarize_mode(mode: str, handle: ClusterHandle, wall0: float, outcomes: Seq
         "scale_ops": ops["total"],
         "scale_ops_up": ops["up"],
         "scale_ops_down": ops["down"],
+        # decision -> operation done, as `layercast simulate` reports it (what --validate compares)
+        "scale_out_s": scale_out_summary(ups),
+        "scale_outs": ups,
         "instances_started": sum(1 for s, _ in intervals.values() if s > wall0),
         "peak_instances": max((n for _, n in instance_steps(intervals.values(), wall0, t_end)), default=0),
         "requests": len(outcomes),

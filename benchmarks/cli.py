@@ -268,12 +268,17 @@ def multicast(
 
     where = "" if leaves == 1 else f" on {leaves} leaves (uplinks {uplink_mbit or 'uncapped'} Mbit/s)"
     table = Table(title=f"multicast of {size_mb} MiB in {blocks} blocks to {nodes} nodes at {link_mbit} Mbit/s{where}")
-    for col in ("algorithm", "k", "completion s", "schedule bound s", "measured/bound", "measured/(M/R)"):
+    for col in ("algorithm", "k", "completion s", "schedule bound s", "measured/bound", "fabric bound s",
+                "measured/fabric bound", "measured/(M/R)"):
         table.add_column(col, justify="right")
     for r in result["results"]:
         table.add_row(r["algorithm"], str(r["k"]), f"{r['completion_s']:.3f}", f"{r['schedule_bound_s']:.3f}",
-                      f"{r['ratio_to_schedule_bound']:.3f}", f"{r['ratio_to_lower_bound']:.3f}")
+                      f"{r['ratio_to_schedule_bound']:.3f}", f"{r['fabric_bound_s']:.3f}",
+                      f"{r['ratio_to_fabric_bound']:.3f}", f"{r['ratio_to_lower_bound']:.3f}")
     Console().print(table)
+    for k, r in result.get("chain_vs_blind", {}).items():
+        typer.echo(f"chain/chain-blind ({k}): {r['measured']:.3f} measured, "
+                   f"{r['at_fabric_bounds']:.3f} at the fabric's bounds")
 
 
 @bench_app.command("engine")
@@ -554,11 +559,12 @@ def scale(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
     if plot is not None:
-        from benchmarks.bench_scale import TIMELINE_STEP_S, plot_timelines
+        from benchmarks.bench_scale import TIMELINE_STEP_S, plot_timelines, timeline_marks
 
         plot.parent.mkdir(parents=True, exist_ok=True)
         plot_timelines(plot, {r["mode"]: r["tokens_per_s_timeline"] for r in result["results"]}, TIMELINE_STEP_S,
-                       f"tokens/s after the scale decision ({result['from']} -> {result['to']}, burst {burst})")
+                       f"tokens/s after the scale decision ({result['from']} -> {result['to']}, burst {burst})",
+                       marks={r["mode"]: timeline_marks(r.get("timings_s") or {}) for r in result["results"]})
     if json_out:
         typer.echo(json.dumps(result))
         return

@@ -172,3 +172,27 @@ def rate_series(send_times_s: Iterable[float], bin_s: float, duration_s: float) 
         if 0 <= t:
             counts[min(n_bins - 1, int(t // bin_s))] += 1
     return [(i * bin_s, c / bin_s) for i, c in enumerate(counts)]
+
+
+def scale_out_times(ops: Iterable[tuple[str, dict, dict]]) -> list[dict]:
+    """Each finished scale-up's times from the load-monitor's decision, as `layercast simulate`
+    reports them (libs/sim/fleet.py `_closed`): to its first serving capacity (an instance or an
+    execution pipeline ready) and to the operation's end. `ops`: (direction, timings, plan) of
+    each operation; scale-ins and operations without a decision or an end are left out."""
+    out = []
+    for direction, timings, plan in ops:
+        decided = timings.get("decided") or timings.get("planned")
+        if direction != "up" or decided is None or "done" not in timings:
+            continue
+        ready = [v for k, v in timings.items() if k.startswith(("ready:", "pipeline_ready:"))]
+        out.append({"algorithm": plan.get("algorithm", plan.get("kind")),
+                    "first_capacity_s": round(min(ready) - decided, 4) if ready else None,
+                    "done_s": round(timings["done"] - decided, 4)})
+    return out
+
+
+def scale_out_summary(times: Sequence[dict]) -> dict:
+    """Mean and percentiles of the scale-ups' decision -> end times (None without one)."""
+    done = [t["done_s"] for t in times]
+    return {"n": len(done), "mean": round(sum(done) / len(done), 4) if done else None,
+            **percentiles(done)}

@@ -12,8 +12,16 @@ import time
 import uuid
 from contextlib import contextmanager
 
-# Must be set before libs.protocol.subjects is imported anywhere.
-os.environ.setdefault("LAYERCAST_NAMESPACE", f"lct{os.getpid()}")
+# Must be set before libs.protocol.subjects is imported anywhere. A pytest-xdist worker (`make
+# test`) inherits the controller's value: each worker takes its own, or two files' clusters on
+# one NATS would answer each other's subjects.
+if "PYTEST_XDIST_WORKER" in os.environ or "LAYERCAST_NAMESPACE" not in os.environ:
+    os.environ["LAYERCAST_NAMESPACE"] = f"lct{os.getpid()}"
+
+# One torch (OpenMP) thread per process, in the tests and the processes they start, before torch is
+# imported: `make test` runs three test processes on two cores, and OpenMP's spinning threads of
+# three processes oversubscribed them (a test that takes 5 s alone took 80 s). A value already set wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pathlib import Path  # noqa: E402
 

@@ -86,7 +86,8 @@ def permissions(prefix: str = subjects.PREFIX) -> dict[str, Rights | None]:
                      s.REGISTRY_INSTANCE_CREATE, s.REGISTRY_SCALEOP_RECORD, s.REGISTRY_KEY_CREATE,
                      s.REGISTRY_KEY_LIST, s.REGISTRY_KEY_REVOKE, s.REGISTRY_KEY_LOOKUP, s.REGISTRY_USAGE_RECORD,
                      s.REGISTRY_USAGE_GET, s.REGISTRY_PROFILE_PUT, s.REGISTRY_PROFILE_GET,
-                     s.REGISTRY_WORKER_EXITED)  # the last one: from the launcher's supervisor (operator)
+                     s.REGISTRY_WORKER_EXITED,  # from the launcher's supervisor (operator)
+                     s.REGISTRY_WORKER_UNREACHABLE)  # from a worker whose data-plane peer went silent
     return {
         "registry": Rights(
             publish=ns(s.EVENT_MODEL, s.EVENT_WORKER_EXPIRED, s.EVENT_CLUSTER_CHANGED, s.EVENT_INSTANCE),
@@ -106,7 +107,7 @@ def permissions(prefix: str = subjects.PREFIX) -> dict[str, Rights | None]:
                        s.worker_cancel(any_worker)),
             subscribe=(*ns(s.tokens_wildcard("*")), events, *own_inbox("gateway"))),
         "worker": Rights(
-            publish=(*ns(s.REGISTRY_WORKER_REGISTER, s.REGISTRY_MODEL_LIST, s.REGISTRY_CLUSTER, s.REGISTRY_PROFILE_PUT,
+            publish=(*ns(s.REGISTRY_WORKER_REGISTER, s.REGISTRY_WORKER_UNREACHABLE, s.REGISTRY_MODEL_LIST, s.REGISTRY_CLUSTER, s.REGISTRY_PROFILE_PUT,
                          s.REGISTRY_PROFILE_GET, s.EVENT_HEARTBEAT, s.EVENT_INSTANCE, s.EVENT_BLOCK, s.EVENT_TRANSFER,
                          s.METRICS_WORKER, s.tokens_wildcard("*"), s.worker_rdma_connect(any_worker),
                          s.worker_peer(any_worker)),

@@ -12,9 +12,10 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 1
 INDEX_FILE = "layercast_index.json"
@@ -46,7 +47,27 @@ class CheckpointFormatError(ValueError):
     """A checkpoint index that does not parse or does not describe a consistent block checkpoint."""
 
 
+# Bytes per element of the torch dtypes an index may name: reading an index needs no torch (the
+# gateway reads indexes, and importing torch would cost its restart seconds).
+DTYPE_ITEMSIZES = {
+    "float64": 8, "double": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1,
+    "complex128": 16, "cdouble": 16, "complex64": 8, "cfloat": 8, "complex32": 4, "chalf": 4,
+    "int64": 8, "long": 8, "int32": 4, "int": 4, "int16": 2, "short": 2, "int8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
+}
+
+
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element of the torch dtype `name`; ValueError for a name that is not one."""
+    if type(name) is not str or name not in DTYPE_ITEMSIZES:
+        raise ValueError(f"unknown dtype {name!r}")
+    return DTYPE_ITEMSIZES[name]
+
+
 def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
@@ -247,7 +268,7 @@ def _tensor(t: Any, i: int, blocks: list[BlockEntry]) -> TensorEntry:
     if not all(type(n) is int and n >= 0 for n in shape):
         raise CheckpointFormatError(f"{what}: shape {shape!r:.80} is not a list of sizes")
     try:
-        itemsize = torch_dtype(_typed(t, "dtype", str, what)).itemsize
+        itemsize = dtype_itemsize(_typed(t, "dtype", str, what))
     except ValueError as e:
         raise CheckpointFormatError(f"{what}: {e}") from None
     numel = 1

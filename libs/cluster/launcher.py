@@ -13,6 +13,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -109,6 +111,42 @@ def nats_argv(state_dir: Path, port: int, host: str = "127.0.0.1", passwords: di
     return [nats_server_binary(), "-c", str(conf)]
 
 
+# The children this process started, by pid. Their exit status is read through their Popen only
+# (poll/wait, which keep it once read), never by a waitpid(-1) of anyone's children: one took the
+# status of a process the supervisor was about to read ("exit code unknown"), and a status taken
+# from under a Popen reads as exit code 0.
+_CHILDREN: dict[int, subprocess.Popen] = {}
+_CHILDREN_LOCK = threading.Lock()
+
+
+def _adopt(proc: subprocess.Popen) -> subprocess.Popen:
+    with _CHILDREN_LOCK:
+        _CHILDREN[proc.pid] = proc  # a pid used again names its new process
+    return proc
+
+
+def exit_status(pid: int, wait_s: float = 2.0) -> int | None:
+    """The exit status of `pid` (negative: the signal that killed it), a child this process
+    started that has exited (or exits within `wait_s`); None when it still runs or is not one of
+    them. Read once: the record is dropped with it."""
+    with _CHILDREN_LOCK:
+        proc = _CHILDREN.get(pid)
+    if proc is None:
+        try:  # a child started some other way
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        return os.waitstatus_to_exitcode(status) if got else None
+    try:
+        code = proc.wait(wait_s)  # waits its turn if another thread is reaping it
+    except subprocess.TimeoutExpired:
+        return None
+    with _CHILDREN_LOCK:
+        if _CHILDREN.get(pid) is proc:
+            del _CHILDREN[pid]
+    return code
+
+
 def start_nats(state_dir: Path, port: int | None = None, host: str = "127.0.0.1",
                passwords: dict[str, str] | None = None, namespace: str | None = None,
                tls: tuple[str, str] | None = None) -> tuple[subprocess.Popen, str]:
@@ -117,7 +155,7 @@ def start_nats(state_dir: Path, port: int | None = None, host: str = "127.0.0.1"
     port = port or free_port()
     argv = nats_argv(state_dir, port, host, passwords, namespace, tls)
     with open(state_dir / "logs" / "nats.log", "ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = _adopt(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     try:
         wait_port(host, port, 15)
     except ClusterError:
@@ -153,10 +191,18 @@ class ClusterState:
     processes: list[ProcessInfo] = field(default_factory=list)
 
     def save(self) -> None:
+        """Write the state file whole or not at all: the supervisor rewrites it on every restart
+        while `layercast` commands read it (truncate-then-write showed them an empty file)."""
         path = Path(self.state_dir, STATE_FILE)
-        path.touch(mode=0o600)  # it holds the operator's NATS password and the admin key
-        path.chmod(0o600)
-        path.write_text(json.dumps(asdict(self), indent=2))
+        # mkstemp creates the file 0600: it holds the operator's NATS password and the admin key.
+        fd, tmp = tempfile.mkstemp(prefix=f".{STATE_FILE}.", dir=self.state_dir)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(asdict(self), indent=2))
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, state_dir: Path) -> "ClusterState":
@@ -325,10 +371,10 @@ def launch_process(p: ProcessInfo, emulation: "EmulatedCluster | None" = None) -
     with open(p.log, "ab") as log:
         kwargs = dict(stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **p.env}, cwd=p.cwd)
         if p.node is None:
-            return subprocess.Popen(p.argv, start_new_session=True, **kwargs)
+            return _adopt(subprocess.Popen(p.argv, start_new_session=True, **kwargs))
         if emulation is None:
             raise ClusterError(f"{p.name} runs in emulated node {p.node}: restarting it needs the emulation")
-        return emulation.popen(p.node, p.argv, **kwargs)
+        return _adopt(emulation.popen(p.node, p.argv, **kwargs))
 
 
 def find_process(state: ClusterState, name: str) -> ProcessInfo:
@@ -405,18 +451,26 @@ def stop_processes(procs: list[ProcessInfo], timeout_s: float = 15.0) -> None:
                 except (ProcessLookupError, PermissionError):
                     pass
         _reap()
+    with _CHILDREN_LOCK:  # stopped on purpose: no one will ask for their status
+        for p in procs:
+            proc = _CHILDREN.get(p.pid)
+            if proc is not None and proc.returncode is not None:
+                del _CHILDREN[p.pid]
 
 
 def _reap() -> None:
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-    except ChildProcessError:
-        pass
+    """Reap the children started here that have exited (a zombie holds its pid until then);
+    their status stays in their Popen for exit_status. Never waitpid(-1): see _CHILDREN."""
+    with _CHILDREN_LOCK:
+        procs = list(_CHILDREN.values())
+    for proc in procs:
+        proc.poll()  # skips one another thread is reaping now
 
 
-def stop_cluster(state_dir: Path) -> ClusterState:
-    state = ClusterState.load(state_dir)
+def stop_cluster(state_dir: Path, state: ClusterState | None = None) -> ClusterState:
+    """Stop the cluster whose state `state_dir` holds, or `state` (a supervisor's own, which
+    names the pids it restarted even when saving them failed), and forget it."""
+    state = state or ClusterState.load(state_dir)
     stop_processes(state.processes)
     Path(state.state_dir, STATE_FILE).unlink(missing_ok=True)
     return state

@@ -11,13 +11,12 @@ and kill processes with launcher.kill_process, letting it restart them.
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from libs.cluster.launcher import ClusterState, ProcessInfo, launch_process, process_alive
+from libs.cluster.launcher import ClusterState, ProcessInfo, exit_status, launch_process, process_alive
 from libs.planning.supervision import RestartBackoff, restart_delay
 
 log = logging.getLogger(__name__)
@@ -81,6 +80,7 @@ class Supervisor:
         self.events: list[SupervisionEvent] = []
         self._watch = {p.name: _Watch(time.monotonic()) for p in state.processes}
         self._stop = threading.Event()
+        self._stop_requested = False  # request_stop()'s: a plain flag, safe to set from a signal handler
         self._thread: threading.Thread | None = None
 
     def _event(self, kind: str, p: ProcessInfo, pid: int, detail: str = "") -> None:
@@ -92,11 +92,13 @@ class Supervisor:
         restarted = []
         now = time.monotonic()
         for p in list(self.state.processes):
+            if self.stopping:
+                break  # the cluster is being stopped: exits are its doing
             w = self._watch.setdefault(p.name, _Watch(now))
             if w.restart_at is None:
                 if process_alive(p.pid):
                     continue
-                code = _exit_code(p.pid)
+                code = exit_status(p.pid)
                 w.dead_pid = p.pid
                 delay = restart_delay(now - w.started_at, w.last_delay, self.backoff)
                 w.last_delay, w.restart_at = delay, now + delay
@@ -114,8 +116,8 @@ class Supervisor:
                     self._event("told_registry", p, p.pid, told)
                     self.report(f"registry told that {wid} exited: {told}")
                 now = time.monotonic()
-            if now < w.restart_at:
-                continue
+            if now < w.restart_at or self.stopping:
+                continue  # not yet; or the cluster is being stopped: it stays down
             if p.pid != w.dead_pid and process_alive(p.pid):  # someone restarted it meanwhile
                 w.restart_at, w.started_at = None, now
                 continue
@@ -138,16 +140,28 @@ class Supervisor:
         return restarted
 
     def run(self) -> None:
-        """Check every poll_s until stop()."""
-        while not self._stop.is_set():
+        """Check every poll_s until stop() or request_stop(); a pass under way ends first (a
+        restart it makes is recorded in the state, which the shutdown then stops)."""
+        while not self.stopping:
             try:
                 self.check()
             except Exception:  # never let one bad pass end supervision
                 log.exception("supervision pass failed")
-            self._stop.wait(self.poll_s)
+            if not self.stopping:
+                self._stop.wait(self.poll_s)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_requested or self._stop.is_set()
+
+    def request_stop(self) -> None:
+        """Stop restarting: run() returns within a poll. Safe in a signal handler (no lock: an
+        Event's set() there could wait for the lock its own thread holds in wait())."""
+        self._stop_requested = True
 
     def start(self) -> "Supervisor":
         self._stop.clear()
+        self._stop_requested = False
         self._thread = threading.Thread(target=self.run, name="supervisor", daemon=True)
         self._thread.start()
         return self
@@ -163,15 +177,3 @@ class Supervisor:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _exit_code(pid: int) -> int | None:
-    """The exit status of our child `pid` (negative: the signal that killed it), reaping it; None
-    when it is not our child or was reaped already."""
-    try:
-        got, status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return None
-    if got == 0:
-        return None
-    return os.waitstatus_to_exitcode(status)

@@ -87,6 +87,11 @@ def _profile_message(row: ModelProfileRow) -> m.ModelProfile:
                           measured_at=to_ts(row.measured_at), source=row.source)
 
 
+# A scale operation whose events reached the registry before the planner's record of it: not
+# listed until that record comes.
+UNRECORDED = "unrecorded"
+
+
 def _scale_op_info(row: ScaleOperation) -> m.ScaleOpInfo:
     return m.ScaleOpInfo(
         scale_op_id=row.scale_op_id,
@@ -327,12 +332,7 @@ class RegistryStore:
         """Create or update; timings are merged so several reporters can add events."""
         now = to_dt(time.time())
         async with self.writes.begin() as s:
-            # Row lock: the planner and the registry's event handlers merge timings into the same
-            # row concurrently; without it one read-modify-write loses the other's events.
-            row = await s.get(ScaleOperation, op.scale_op_id, with_for_update=True)
-            if row is None:
-                row = ScaleOperation(scale_op_id=op.scale_op_id, created_at=now, timings={})
-                s.add(row)
+            row = await self._scale_op_row(s, op.scale_op_id, now)
             row.model, row.direction, row.reason = op.model, op.direction, op.reason
             row.from_instances, row.to_instances = op.from_instances, op.to_instances
             row.state, row.plan, row.error = op.state, op.plan or row.plan or {}, op.error
@@ -346,14 +346,26 @@ class RegistryStore:
 
     async def add_scale_op_timings(self, scale_op_id: str, events: dict[str, float]) -> None:
         """Add events to an operation's timings; an event already there keeps the earlier time
-        (several reporters stamp first_byte: the first one is the operation's)."""
+        (several reporters stamp first_byte: the first one is the operation's). The planner
+        records an operation in the background while its transfers start, so an event may come
+        first: it is kept on a row not yet listed, which the planner's record completes."""
         async with self.writes.begin() as s:
-            row = await s.get(ScaleOperation, scale_op_id, with_for_update=True)
-            if row is not None:
-                timings = dict(row.timings or {})
-                for event, at in events.items():
-                    timings[event] = min(timings.get(event, at), at)
-                row.timings = timings
+            row = await self._scale_op_row(s, scale_op_id, to_dt(time.time()))
+            timings = dict(row.timings or {})
+            for event, at in events.items():
+                timings[event] = min(timings.get(event, at), at)
+            row.timings = timings
+
+    async def _scale_op_row(self, s: AsyncSession, scale_op_id: str, now) -> ScaleOperation:
+        """The operation's row, locked: the planner and the registry's event handlers merge
+        timings into it concurrently, and without the lock one read-modify-write loses the
+        other's events. Inserted first if missing (a no-op if another writer just did), so two
+        first writers do not collide on the key."""
+        await s.execute(self._insert(ScaleOperation).values(
+            scale_op_id=scale_op_id, model="", direction="", reason="", from_instances=0, to_instances=0,
+            state=UNRECORDED, plan={}, timings={}, created_at=now, updated_at=now,
+        ).on_conflict_do_nothing(index_elements=[ScaleOperation.scale_op_id]))
+        return await s.get(ScaleOperation, scale_op_id, with_for_update=True, populate_existing=True)
 
     async def recent_scale_ops(self, limit: int) -> list[m.ScaleOpInfo]:
         async with self.sessions() as s:
@@ -493,5 +505,6 @@ async def _instances(s: AsyncSession, live_only: bool = True) -> list[m.Instance
 
 
 async def _recent_scale_ops(s: AsyncSession, limit: int) -> list[m.ScaleOpInfo]:
-    q = select(ScaleOperation).order_by(ScaleOperation.created_at.desc()).limit(limit)
+    q = (select(ScaleOperation).where(ScaleOperation.state != UNRECORDED)
+         .order_by(ScaleOperation.created_at.desc()).limit(limit))
     return [_scale_op_info(r) for r in (await s.scalars(q)).all()]

@@ -26,13 +26,16 @@ def _prompt(length: int, vocab: int, salt: int) -> list[int]:
 
 
 def measure_profile(make_engine: Callable[[int, int], Engine], max_len: int, max_batch: int,
-                    repeats: int = 3) -> Profile:
+                    repeats: int = 3, clock: Callable[[], float] = time.perf_counter) -> Profile:
     """A :class:`Profile` measured on engines from `make_engine(max_batch_size, max_seq_len)`.
 
     Prefill: one request of each sampled length, the step that prefills it timed (the prefill
     chunk is raised to the length, so one step is one prefill). Decode: for each sampled batch
     size and mean length, one prompt prefilled and forked into that many rows, then `repeats`
-    decode steps timed."""
+    decode steps timed.
+
+    `clock`: wall time by default; `time.thread_time` (CPU time of a one-thread torch on CPU)
+    leaves out what other processes of a busy machine take from it (`layercast simulate-profile`)."""
     lengths, batches = sample_points(max_len), sample_points(max_batch)
     engine = make_engine(max_batch, max_len + repeats + 2)
     # One step prefills a whole sampled batch, so no row decodes before the timed steps.
@@ -42,11 +45,11 @@ def measure_profile(make_engine: Callable[[int, int], Engine], max_len: int, max
     engine.eos_token_ids = frozenset()  # a random model may emit its EOS: keep every row decoding
 
     def timed_step() -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         engine.step()
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
-        return time.perf_counter() - t0
+        return clock() - t0
 
     engine.add_request("warm-up", _prompt(max_len, engine.vocab_size, 0), greedy)
     while engine.has_work():  # the first passes pay one-time costs (allocation, kernel choice)

@@ -5,7 +5,10 @@ A step's logits for a request go through, in order (vLLM's order): the repetitio
 (HF/vLLM: a logit of a token seen in the prompt or the output is divided by the penalty when
 positive, multiplied when not), then the OpenAI frequency and presence penalties (counts over
 the tokens generated so far), then a grammar's mask (constrained decoding, grammar.py: the
-tokens it does not allow at -inf), then temperature, min-p and top-p. The penalties are derived
+tokens it does not allow at -inf), then temperature, min-p and top-p. Every value the protocol
+accepts keeps the distribution finite: the penalties are computed in float64 and clamped to
+float32's finite range (a repetition penalty of 1e-45 divides a logit past float32's max), and the
+temperature divides the logits less their maximum (at most 0). The penalties are derived
 from the request's ids every step, so a request handed over with its generated ids (KV
 recompute) goes on exactly as if it had stayed.
 
@@ -42,11 +45,11 @@ def make_generator(params: SamplingSpec, device: str | torch.device = "cpu", cho
 
 def apply_penalties(logits: torch.Tensor, params: SamplingSpec, prompt_ids: Sequence[int] = (),
                     output_ids: Sequence[int] = ()) -> torch.Tensor:
-    """`logits` [vocab] with the request's penalties applied (a new float32 tensor; the same
-    tensor when there are none)."""
+    """`logits` [vocab] with the request's penalties applied (a new float32 tensor of finite values,
+    given finite logits; the same tensor when there are none)."""
     if not _penalized(params):
         return logits
-    logits = logits.float().clone()
+    logits = logits.double()  # a new tensor; in float32 a penalty of 1e39 is inf, and 0 * inf is NaN
     vocab = logits.shape[-1]
     if params.repetition_penalty != 1.0 and (prompt_ids or output_ids):
         seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
@@ -55,8 +58,9 @@ def apply_penalties(logits: torch.Tensor, params: SamplingSpec, prompt_ids: Sequ
         logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
     if (params.presence_penalty or params.frequency_penalty) and output_ids:
         counts = torch.bincount(torch.tensor(list(output_ids), device=logits.device), minlength=vocab)[:vocab]
-        logits = logits - params.frequency_penalty * counts.float() - params.presence_penalty * (counts > 0).float()
-    return logits
+        logits = logits - params.frequency_penalty * counts.double() - params.presence_penalty * (counts > 0).double()
+    f32 = torch.finfo(torch.float32)
+    return logits.clamp(f32.min, f32.max).float()
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
@@ -80,7 +84,10 @@ def sample_token(logits: torch.Tensor, params: SamplingSpec, generator: torch.Ge
         logits = mask_logits(logits, allowed)
     if params.greedy:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    logits = logits.float()
+    # Less the maximum first (softmax's own shift, so the same distribution): a small temperature then
+    # scales values <= 0 towards -inf, never a finite logit to inf (inf - inf: NaN).
+    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
     if params.min_p > 0:
         # vLLM's min_p: only the tokens at least min_p times as likely as the likeliest one.
         probs = torch.where(probs >= params.min_p * probs.max(), probs, 0.0)
@@ -89,6 +96,7 @@ def sample_token(logits: torch.Tensor, params: SamplingSpec, generator: torch.Ge
         # Nucleus: the smallest prefix of tokens (by probability) whose mass reaches top_p.
         sorted_probs, order = torch.sort(probs, descending=True)
         keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < params.top_p
+        keep[0] = True  # the likeliest always (a top_p under float32's smallest is 0 there: 0 < 0 kept none)
         choice = torch.multinomial(sorted_probs * keep, 1, generator=generator)
         return int(order[choice])
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -189,23 +189,41 @@ def unpack(payload: bytes) -> tuple[dict, torch.Tensor | None]:
 
 
 class StageServer:
-    """Runs calls from remote engines on local stages, one at a time on its own thread."""
+    """Runs calls from remote engines on local stages, one at a time on its own thread.
+
+    Calls are taken only from the callers it names: those given at its start (for its
+    lifetime) and each hosted stage's caller (while the stage is hosted); the transport
+    refuses the messages of any other peer (Transport.admit_messages)."""
 
     def __init__(self, transport: Transport, peers: dict[str, str]):
         self.transport = transport
         self.peers = peers  # caller node id -> address, for the replies
+        self._lifelong = set(peers)  # callers named at the start: for the server's lifetime
+        for peer, address in peers.items():
+            transport.admit_messages(peer, address)
         self.stages: dict[str, LocalStage] = {}  # (or a live pair's PrefillFront: open, close, front)
+        self._callers: dict[str, tuple[str, str]] = {}  # stage id -> (its caller, the caller's address)
         self._inbox: queue.Queue = queue.Queue()
         transport.on_message(CALL_CHANNEL, lambda src, payload: self._inbox.put((src, payload)))
         self._thread = threading.Thread(target=self._run, name="stage-server", daemon=True)
         self._thread.start()
 
-    def add(self, stage_id: str, stage) -> None:
+    def add(self, stage_id: str, stage, caller: str | None = None, address: str | None = None) -> None:
+        """Serve `stage`; `caller` (at `address`: where its pipeline or pair says it is) may call it."""
+        self.remove(stage_id)
         self.stages[stage_id] = stage
+        if caller is not None and address is not None:
+            self.peers[caller] = address
+            self.transport.admit_messages(caller, address)
+            self._callers[stage_id] = (caller, address)
 
     def remove(self, stage_id: str) -> None:
-        """Stop serving a stage (its KV cache goes with it); later calls for it fail."""
+        """Stop serving a stage (its KV cache goes with it); later calls for it fail, and its caller's
+        messages are no longer taken unless something else here names it."""
         self.stages.pop(stage_id, None)
+        caller = self._callers.pop(stage_id, None)
+        if caller is not None:
+            self.transport.revoke_messages(*caller)
 
     def close(self) -> None:
         self._inbox.put(None)
@@ -214,6 +232,10 @@ class StageServer:
     def _run(self) -> None:
         while (item := self._inbox.get()) is not None:
             src, payload = item
+            if src not in self._lifelong and all(c != src for c, _ in self._callers.values()):
+                # (a transport that filters never lets it through; one that cannot, rdma, does)
+                log.warning("stage call from %s dropped: no stage hosted here is called by it", src)
+                continue
             call_id = None
             try:
                 header, tensor = unpack(payload)
@@ -264,6 +286,13 @@ class RemoteStage:
         self.slots = slots
         self.timeout_s = timeout_s
         self._replies = _replies_of(transport)
+        # Its replies come from `peer` at `address`: taken while this stage lives (or until close()).
+        transport.admit_messages(peer, address)
+        self._admitted = weakref.finalize(self, transport.revoke_messages, peer, address)
+
+    def close(self) -> None:
+        """Its peer's messages are no longer taken for it (also when it is garbage collected)."""
+        self._admitted()
 
     def _submit(self, header: dict, tensor: torch.Tensor | None = None) -> concurrent.futures.Future:
         """Send a call; the future holds its result (or raises the stage's error)."""
@@ -377,8 +406,14 @@ class _Replies:
             return
         with self._lock:
             call_id = str(header.get("call_id"))
-            future = self._waiting.pop(call_id, None)
-            self._owner.pop(call_id, None)
+            owner = self._owner.get(call_id)
+            forged = owner is not None and getattr(owner, "peer", src) != src
+            future = None if forged else self._waiting.pop(call_id, None)
+            if not forged:
+                self._owner.pop(call_id, None)
+        if forged:  # a reply to a call sent to another peer: not this one's to answer
+            log.warning("stage reply from %s to a call sent to %s dropped", src, owner.peer)
+            return
         if future is not None:
             future.set_result((header, tensor))
 

@@ -181,10 +181,19 @@ def load_time(worker: WorkerView, model: ModelSpec, extra_queue_s: float = 0.0) 
 def _transfer_time(worker: WorkerView, model: ModelSpec) -> float:
     tiers = worker.blocks.get(model.name, {})
     total = 0.0
+    if not tiers:  # nothing of the model here (most workers of a large cluster): every block over the network
+        rate = path_bandwidth(worker.bandwidth, Tier.NETWORK)
+        for nbytes in model.block_bytes:  # the same sum, in the same order, as below
+            total += nbytes / rate
+        return total
+    rates: dict[Tier, float] = {}  # each tier's path once (the planner ranks every worker per decision)
     for idx, nbytes in enumerate(model.block_bytes):
         tier = tiers.get(idx, Tier.NETWORK)
         if tier is not Tier.DEVICE:
-            total += nbytes / path_bandwidth(worker.bandwidth, tier)
+            rate = rates.get(tier)
+            if rate is None:
+                rate = rates[tier] = path_bandwidth(worker.bandwidth, tier)
+            total += nbytes / rate
     return total
 
 

@@ -52,12 +52,14 @@ def model_spec(model: m.ModelInfo, block_start: int = 0, block_end: int | None =
 def nearest_tiers(replicas: Iterable[m.ReplicaInfo]) -> dict[str, dict[str, dict[int, Tier]]]:
     """worker -> model -> block -> the nearest tier a ready replica of it is in there."""
     out: dict[str, dict[str, dict[int, Tier]]] = {}
+    ready = m.ReplicaState.ready  # looked up once: the view holds every worker's replicas
     for r in replicas:
-        if r.state != m.ReplicaState.ready or r.tier not in _TIERS:
+        tier = _TIERS.get(r.tier)
+        if tier is None or r.state != ready:
             continue
-        tier = _TIERS[r.tier]
         blocks = out.setdefault(r.worker_id, {}).setdefault(r.model, {})
-        if r.block_id not in blocks or _RANK.index(tier) < _RANK.index(blocks[r.block_id]):
+        held = blocks.get(r.block_id)
+        if held is None or _RANK.index(tier) < _RANK.index(held):
             blocks[r.block_id] = tier
     return out
 

@@ -25,7 +25,7 @@ Everything here is pure and deterministic.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -66,6 +66,7 @@ __all__ = [
     "multicast_algorithm",
     "build_plan",
     "plan_bound_s",
+    "fabric_bound_s",
     "plan_pipeline_groups",
 ]
 
@@ -844,6 +845,59 @@ def plan_bound_s(plan: MulticastPlan, n_blocks: int, total_bytes: int, rate_byte
     """The time the plan's structure needs at link rate R (its algorithm's cost model)."""
     return multicast_algorithm(plan.algorithm).cost.bound_s(plan.schedule, n_blocks, total_bytes, rate_bytes_per_s,
                                                             chunk_bytes)
+
+
+def fabric_bound_s(plan: MulticastPlan, n_blocks: int, total_bytes: int, rate_bytes_per_s: float, chunk_bytes: int,
+                   leaf_of: Sequence[Hashable], uplink_bytes_per_s: float | None,
+                   group_of: Sequence[Hashable | None] | None = None, scaleup_bytes_per_s: float = 0.0) -> float:
+    """plan_bound_s on a leaf-spine fabric: a transfer between leaves crosses its source leaf's
+    uplink and its destination leaf's downlink (``uplink_bytes_per_s`` each way; None: not a
+    bottleneck), and the transfers on one of them at once share it evenly (the fluid fair
+    share); a transfer inside a scale-up group (``group_of[v]`` equal, not None) runs at
+    ``scaleup_bytes_per_s`` when that is set. Node v sits on leaf ``leaf_of[v]``.
+
+    Chunk-relay plans (chains) run every hop at once for the whole transfer: a chain finishes
+    in (M + (h - 1)·c) / r, h its hops and r its slowest hop's share. Block-step plans take
+    their steps one after another, each as long as its slowest transfer of one block M/B.
+    With one leaf, or no uplink cap, and no scale-up groups this is plan_bound_s."""
+    groups = group_of or [None] * len(leaf_of)
+
+    def share_rates(transfers: Sequence[tuple[int, int]]) -> list[float]:
+        up: dict[Hashable, int] = {}
+        down: dict[Hashable, int] = {}
+        for src, dst in transfers:
+            if leaf_of[src] != leaf_of[dst]:
+                up[leaf_of[src]] = up.get(leaf_of[src], 0) + 1
+                down[leaf_of[dst]] = down.get(leaf_of[dst], 0) + 1
+        rates = []
+        for src, dst in transfers:
+            r = rate_bytes_per_s
+            if scaleup_bytes_per_s > 0 and groups[src] is not None and groups[src] == groups[dst]:
+                r = scaleup_bytes_per_s
+            if uplink_bytes_per_s is not None and leaf_of[src] != leaf_of[dst]:
+                r = min(r, uplink_bytes_per_s / up[leaf_of[src]], uplink_bytes_per_s / down[leaf_of[dst]])
+            rates.append(r)
+        return rates
+
+    if multicast_algorithm(plan.algorithm).cost is CHUNK_RELAY:
+        hops = sorted({(t.src, t.dst) for t in plan.schedule})
+        rate_of = dict(zip(hops, share_rates(hops)))
+        nxt = dict(hops)
+        chunk = min(chunk_bytes, total_bytes)
+        worst = 0.0
+        for head in sorted(set(nxt) - set(nxt.values())):
+            chain, v = [], head
+            while v in nxt:
+                chain.append(rate_of[(v, nxt[v])])
+                v = nxt[v]
+            worst = max(worst, (total_bytes + (len(chain) - 1) * chunk) / min(chain))
+        return worst
+    block = total_bytes / n_blocks
+    by_step: dict[int, list[tuple[int, int]]] = {}
+    for t in plan.schedule:
+        by_step.setdefault(t.step, []).append((t.src, t.dst))
+    return sum(block / (min(share_rates(by_step[step])) if step in by_step else rate_bytes_per_s)
+               for step in range(schedule_steps(plan.schedule)))
 
 
 def plan_pipeline_groups(plan: MulticastPlan, n_nodes: int) -> list[list[int]]:

@@ -98,14 +98,17 @@ def pick_targets(block_bytes: Mapping[int, int], candidates: Iterable[Candidate]
     instance anywhere is what lets its requests in as room frees), and only after every other:
     more instances there add no capacity (LLM-Mesh §5.3 creates one only on a node that passes
     validation) and their loads take the compute its requests are refused for."""
-    held = list(held)
+    # Each worker's replicas once (not every replica per candidate: quadratic at 512 workers).
+    by_worker: dict[str, list[Held]] = {}
+    for h in held:
+        by_worker.setdefault(h.worker_id, []).append(h)
     candidates = [c for c in candidates if first or not c.saturated]
     rank = load_time_rank(load_s or {})
     ranked = sorted(
         candidates,
         key=lambda c: (c.saturated, rank.get(c.worker_id, math.inf),
-                       tuple(-b for b in locality(block_bytes, held, c.worker_id)), c.instances,
-                       c.running_requests, c.worker_id),
+                       tuple(-b for b in locality(block_bytes, by_worker.get(c.worker_id, ()), c.worker_id)),
+                       c.instances, c.running_requests, c.worker_id),
     )
     return [c.worker_id for c in ranked[: max(0, n)]]
 

@@ -82,9 +82,13 @@ def _since(window: Sequence[MetricsSample], seconds: float) -> list[MetricsSampl
 
 
 def _last(window: Sequence[MetricsSample], seconds: float) -> list[MetricsSample]:
-    # Half-open (now - seconds, now]: averaging windows, as Knative's; never empty.
-    start = window[-1].t - seconds
-    return [s for s in window if s.t > start + 1e-12] or [window[-1]]
+    # Half-open (now - seconds, now]: averaging windows, as Knative's; never empty. The window is
+    # in time order: scan back from its end (a tick reads a few samples of a long window).
+    start = window[-1].t - seconds + 1e-12
+    i = len(window)
+    while i > 0 and window[i - 1].t > start:
+        i -= 1
+    return list(window[i:]) or [window[-1]]
 
 
 def _covers(window: Sequence[MetricsSample], seconds: float) -> bool:

@@ -323,8 +323,9 @@ def live_instances(view: m.ClusterView, model: str) -> list[m.InstanceInfo]:
 
 def held_blocks(view: m.ClusterView, model: str) -> list[Held]:
     """The model's ready block replicas."""
-    return [Held(r.worker_id, r.block_id, r.tier.value) for r in view.replicas
-            if r.model == model and r.state == m.ReplicaState.ready]
+    ready = m.ReplicaState.ready  # looked up once: the view holds every worker's replicas
+    return [Held(r.worker_id, r.block_id, str(r.tier)) for r in view.replicas
+            if r.model == model and r.state == ready]
 
 
 def desired_instances(model: m.ModelInfo | None, requested: int) -> int:

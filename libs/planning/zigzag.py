@@ -33,7 +33,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 __all__ = [
     "live_pair_split",
@@ -188,6 +187,10 @@ def zigzag_ilp(
         for m in range(1, L):
             if (m - 1) * tl + 1 > i * L + _EPS:
                 upper[var(i, m)] = 0.0
+    # Imported here: scipy.optimize takes seconds to import, and every process that plans (the
+    # gateway validates policies with libs.planning) would pay it at start for an ILP few call.
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     res = milp(
         c,
         constraints=LinearConstraint(np.vstack(rows), -np.inf, np.array(ub)),

@@ -5,6 +5,7 @@ understand instead of misreading it. Unknown fields are ignored (forward
 compatibility); missing or mistyped required fields are a validation error.
 """
 
+import re
 import time
 from enum import StrEnum
 from typing import Annotated, Literal
@@ -115,6 +116,16 @@ class WorkerExited(Message):
     reason: str = ""
 
 
+class WorkerUnreachable(Message):
+    """A peer's data-plane connection to `worker_id` broke (it closed, reset, or refused a
+    connect): the worker may be dead. The registry verifies before it declares the death
+    (libs/planning/liveness.py): one peer's word alone never kills a live worker."""
+
+    worker_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-]+$")
+    reporter: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_\-]+$")
+    reason: str = Field(default="", max_length=500)
+
+
 # --- models -----------------------------------------------------------------------------
 
 
@@ -136,18 +147,28 @@ ScalingMode = Literal["layercast", "chain", "chain-blind", "blitzscale", "blitzs
 MulticastAlgorithmName = Literal["star", "binary-tree", "chain", "chain-blind", "binomial"]
 # The load-monitor's scaling policies (libs.planning.autoscale.POLICIES).
 ScalingPolicy = Literal["threshold", "concurrency", "slo"]
+INT32_MAX = 2**31 - 1  # the registry's integer columns
+# A deployment's name: what DeployModel takes, so no stored model (nor its profile) has another.
+_MODEL_NAME_CHARS = r"[A-Za-z0-9_.:\-/]"
+ModelName = Annotated[str, Field(min_length=1, max_length=128, pattern=rf"^{_MODEL_NAME_CHARS}+$")]
+MODEL_NAME = re.compile(rf"{_MODEL_NAME_CHARS}{{1,128}}")  # ModelName's rule, for a name not in a message
+
+
+def is_model_name(name: str) -> bool:
+    return MODEL_NAME.fullmatch(name) is not None
 
 
 class DeployModel(Message):
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-/]+$")
+    name: ModelName
     path: str
     arch: str
     n_layers: int = Field(ge=1)
     blocks: list[BlockInfo] = Field(min_length=1)
-    min_instances: int = Field(default=0, ge=0)
-    max_instances: int = Field(default=4, ge=1)
+    # (The registry stores these counts as 32-bit integers: a larger one would overflow there.)
+    min_instances: int = Field(default=0, ge=0, le=INT32_MAX)
+    max_instances: int = Field(default=4, ge=1, le=INT32_MAX)
     keep_alive_s: float = Field(default=60.0, ge=0)
-    max_queue: int = Field(default=256, ge=1)
+    max_queue: int = Field(default=256, ge=1, le=INT32_MAX)
     scaling_mode: ScalingMode = "layercast"
     policy: ScalingPolicy = "concurrency"
     # Checked against the policy (libs.planning.autoscale.check_policy) by the gateway and the registry.
@@ -329,7 +350,7 @@ class ClusterChanged(Message):
 STATIC_KEY_ID = "static"
 KeyName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@\-]+$")]
 # A key's per-minute limit: the registry stores it as a 32-bit integer (a larger one would overflow there).
-PerMinuteLimit = Annotated[int, Field(ge=1, le=2**31 - 1)]
+PerMinuteLimit = Annotated[int, Field(ge=1, le=INT32_MAX)]
 
 
 class CreateApiKey(Message):
@@ -658,9 +679,13 @@ class TransferReport(Message):
 # --- generation ---------------------------------------------------------------------------------
 
 
-# Numbers as JSON has them: a boolean or a numeric string is refused, not read as 1 or 0.
+# Numbers as JSON has them: a boolean or a numeric string is refused, not read as 1 or 0; and
+# finite (1e999 parses as inf: a repetition penalty of inf made the sampler's logits NaN).
 _Int = Annotated[int, Field(strict=True)]
-_Float = Annotated[float, Field(strict=True)]
+_Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+
+
+GREEDY_BELOW = 1e-5  # a temperature: vLLM's _SAMPLING_EPS
 
 
 class SamplingParameters(BaseModel):
@@ -697,7 +722,8 @@ class SamplingSpec(SamplingParameters):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # vLLM's: a temperature below 1e-5 is greedy (a smaller one is 0 in float32: no sampler could divide by it).
+        return self.temperature < GREEDY_BELOW
 
 
 class GenerateRequest(Message):
@@ -758,6 +784,10 @@ class TokenEvent(Message):
     # The instance that sent it: after a hand-over the gateway drops whatever the instance it
     # left still sends (a late token, or the error of the failure it already handled).
     instance_id: str | None = None
+    # GenerateRequest.attempt of the run that sent it: after a hand-over back to the same
+    # instance, the old run's late tokens carry the old attempt and are dropped. None: not
+    # said (a worker from before attempts were echoed; the gateway then goes by instance_id).
+    attempt: int | None = Field(default=None, ge=0)
     # With SamplingSpec.logprobs: the token's logprob (the model's log-softmax) and the top
     # (token id, logprob) pairs, most likely first.
     logprob: float | None = None

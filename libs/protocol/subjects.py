@@ -30,6 +30,10 @@ REGISTRY_WORKER_REGISTER = f"{PREFIX}.registry.worker.register"
 # RPC WorkerExited -> CommandAck (a supervisor saw the worker's process exit: dead now, not at its
 # heartbeats' expiry; its instances stop and their requests move at once)
 REGISTRY_WORKER_EXITED = f"{PREFIX}.registry.worker.exited"
+# RPC WorkerUnreachable -> CommandAck (worker -> registry: its data-plane connection to a peer
+# broke; the registry verifies (libs/planning/liveness.py) and, dead, stops it as above;
+# accepted=False: not (yet) taken for dead)
+REGISTRY_WORKER_UNREACHABLE = f"{PREFIX}.registry.worker.unreachable"
 # RPC DeployModel -> ModelInfo
 REGISTRY_MODEL_DEPLOY = f"{PREFIX}.registry.model.deploy"
 # RPC ModelRef -> ModelInfo

@@ -16,9 +16,19 @@ What is layercast's own code, unchanged (imported, called as the services call i
 What is modelled (libs.sim.timemodel): how long transfers, disk reads, copies to engine memory,
 prefills and decode iterations take, and the control plane's latencies. What is simplified
 (documented where it is done): an instance's batch advances as a fluid between changes of its
-membership (iteration time from the profile at the batch's mean length); prefills run one at a
-time and pause the batch's decoding; live pairs (blitzscale) are answered "not simulated", so
-blitzscale runs as blitzscale-nopairs; workers never fail.
+membership (iteration time from the profile at the batch's mean length); while prompts wait,
+the instance runs the engine's steps (one decode pass, then one batched prefill pass over the
+waiting prompts, shortest remainder first: `_schedule`); workers never fail.
+
+Live pairs (BlitzScale §5.2, modes blitzscale / blitzscale-fixed): the planner's pairs
+(:func:`libs.planning.scaleout.plan_live_pairs`, carried by the scale operation) reach both
+instances' lifecycles (``PairFormed``: pair_source / pair_target; ``EndPair`` / ``PairEnded``
+when the target's last block dissolves the pair), and each prefill of the source is split by
+the real :class:`libs.planning.livepair.PrefillSplitter` over the ZigZag queue: its first k
+blocks run on the target (k/n of the prefill, plus one call for the hand-off; the source
+decodes meanwhile), the other n-k on the source. sharing=dedicated: the planner places by
+``decide(dedicated=True)`` and a worker unloads another model's instances (drained) before a
+load starts, as services/worker/sharing.py's DedicatedSharing does.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from libs.planning import autoscale, instance as lc, scaleop as so
+from libs.planning.livepair import PrefillSplitter, leading_blocks
 from libs.planning.scaleout import SERVERLESSLLM_KEEP_ALIVE_S, ScaleIn, ScalePlan, decide, mode_spec
 from libs.planning.sharing import sharing_setting
 from libs.protocol import messages as m
@@ -40,6 +51,11 @@ from libs.sim.timemodel import Compute, Control, Fabric, Storage, multicast_arri
 __all__ = ["FleetConfig", "Request", "RunResult", "Simulation", "simulate"]
 
 EPS = 1e-9
+EVICT_DRAIN_TIMEOUT_S = 30.0  # services/worker/sharing.py: an instance unloaded for another model drains this long
+# The serving engine's step (libs/engine/engine.py DEFAULT_TOKEN_BUDGET, DEFAULT_PREFILL_CHUNK): the
+# simulator is pure and does not import the engine (torch); a unit test keeps these equal.
+ENGINE_TOKEN_BUDGET = 2048
+ENGINE_PREFILL_CHUNK = 512
 HOST, GPU, READY = m.Tier.host, m.Tier.gpu, m.ReplicaState.ready
 
 
@@ -56,9 +72,11 @@ class FleetConfig:
     min_instances: int = 0
     keep_alive_s: float = 60.0
     policy: str | None = None  # None: the mode's default (deploy_policy)
+    policy_params: tuple[tuple[str, float], ...] = ()  # the deployment's --policy-param K=V
     target_concurrency: int = 8  # the load-monitor's --target-concurrency
     scale_down_delay_s: float = 5.0  # the load-monitor's default
     tick_s: float = 0.1  # the load-monitor's tick
+    report_interval_s: float = 0.5  # the gateway's metrics_interval_s: its reports' cadence
     resend_s: float = 2.0
     window_s: float = 10.0
     drain_timeout_s: float = 30.0
@@ -93,6 +111,7 @@ class Request:
     left: float = 0.0  # output tokens still to decode
     generated: float = 0.0
     recompute: int = 0  # tokens whose KV a handed-over request rebuilds
+    prefilled: int = 0  # prompt (or rebuilt) tokens prefilled so far
 
     @property
     def ttft(self) -> float | None:
@@ -115,9 +134,12 @@ class SimInstance:
     compute_from: float = float("inf")  # its first iteration cannot start before (every block in)
     prefilling: deque = field(default_factory=deque)  # requests waiting for / in their prefill
     decoding: dict = field(default_factory=dict)  # rid -> Request
-    busy_until: float = 0.0  # the prefill in progress ends
+    busy_until: float = 0.0  # the prefill step in progress ends
+    front_until: float = 0.0  # the head's first blocks run on a live pair's target until then
     last: float = 0.0  # decoding advanced up to here
     version: int = 0
+    step_rows: tuple = ()  # (request, tokens) prefilled by the step in progress
+    step_decodes: tuple = ()  # requests that decode a token in it
 
     @property
     def load(self) -> int:
@@ -133,6 +155,9 @@ class RunResult:
     events: int
     end: float
     notes: list[str]
+    # live pairs formed / refused, and each paired prefill's blocks run on the target (BlitzScale §5.2)
+    pairs: dict = field(default_factory=dict)
+    evicted: int = 0  # sharing=dedicated: instances unloaded for another model's load
 
 
 class Simulation:
@@ -165,9 +190,12 @@ class Simulation:
         self.block_bytes = sizes
         max_inst = cfg.max_instances or cfg.nodes
         self.models: dict[str, m.ModelInfo] = {}
+        n_req = max(1, len(requests))
+        mean_prompt = sum(p for _, p, _ in requests) / n_req if requests else 512.0
+        mean_output = sum(o for _, _, o in requests) / n_req if requests else 128.0
         for k in range(cfg.models):
             name = f"model-{k}"
-            policy, params = autoscale_policy(cfg)
+            policy, params = autoscale_policy(cfg, profiled_capacity_tps(profile, mean_prompt, max(1.0, mean_output)))
             self.models[name] = m.ModelInfo.model_construct(
                 name=name, path=f"/models/{name}", arch="sim", n_layers=nb, state=m.ModelState.deployed,
                 created_at=0.0, min_instances=cfg.min_instances, max_instances=max_inst,
@@ -191,12 +219,23 @@ class Simulation:
         self.running: dict[str, int] = defaultdict(int)
         self._forced = False
         self._ended_requests = 0
+        # live pairs: source instance -> (target instance, its splitter); request -> blocks run on a target
+        self.pairs: dict[str, tuple[str, PrefillSplitter]] = {}
+        self.fronted: dict[str, int] = {}
+        self.pair_stats = {"formed": 0, "refused": 0, "splits": []}
+        # sharing=dedicated: loads waiting on a worker for another model's instances to stop
+        self.dedicated = sharing_setting(cfg.sharing).one_model_per_worker
+        self.room_wait: dict[str, list[tuple[str, str, m.LoadModel]]] = defaultdict(list)
+        self.evicted = 0
+        self.reported: dict[str, tuple[float, float]] = {}  # model -> (the gateway's last report, its load_tps)
+        self.monitor_until = float("inf")  # the load-monitor decides until then
         # The planner reconciles one request per model at a time (its per-model lock): a request
         # waits while the previous one's operation is still creating its instances in the registry.
         self.locked: dict[str, str | None] = {}  # model -> the op holding the lock
         self.waiting: dict[str, deque] = defaultdict(deque)
         # --- the parameter pool at deploy time: one host copy (every worker's for `ideal`)
         spec = mode_spec(cfg.mode)
+        self.threshold_models = {n for n, x in self.models.items() if x.policy == "threshold"}
         for k, name in enumerate(self.models):
             holders = ids if spec.pool_on_every_worker else [ids[k % cfg.nodes]] if spec.keeps_pool else []
             for w in holders:
@@ -356,17 +395,46 @@ class Simulation:
         self._schedule(inst)
 
     def _schedule(self, inst: SimInstance) -> None:
-        """Start the next prefill if none runs; plan the next decode event."""
+        """Start the next prefill step if none runs; plan the next decode event.
+
+        A step with prompts waiting is the engine's (libs/engine/engine.py `step`,
+        `_prefill_passes`): one decode pass over the running rows, then one batched prefill pass
+        over the waiting prompts within the token budget, each taking the next `n` tokens, `n`
+        the shortest remainder (at most the prefill chunk): prompts finished by it give their
+        first token at the step's end, longer ones go on in the next step. The pass reads every
+        weight once, so it costs the profile's prefill time of its tokens (rows x n); the decode
+        pass an iteration of the running batch."""
         inst.version += 1
         now = self.q.now
-        if inst.prefilling and inst.busy_until <= now + EPS and inst.compute_from < float("inf"):
+        if inst.prefilling and inst.front_until > now + EPS:
+            # the head's first blocks run on the live pair's target: the source decodes meanwhile
+            self.q.at(inst.front_until, self._front_done, inst.iid, inst.version)
+        elif inst.prefilling and inst.busy_until <= now + EPS and inst.compute_from < float("inf"):
             start = max(now, inst.compute_from)
             r = inst.prefilling[0]
-            tokens = r.recompute or r.prompt
-            inst.busy_until = start + self.compute.prefill_s(tokens, len(inst.workers), self._sharing(inst))
-            self.q.at(inst.busy_until, self._prefilled, inst.iid, inst.version)
-            return
-        if inst.prefilling and inst.busy_until > now + EPS:
+            front = self._pair_front(inst, r, r.recompute or r.prompt) if self.pairs else None
+            if front is not None:
+                inst.front_until = start + front
+                self.q.at(inst.front_until, self._front_done, inst.iid, inst.version)
+            else:
+                self._advance(inst)
+                waiting = list(inst.prefilling)
+                budget = ENGINE_TOKEN_BUDGET - len(inst.decoding)
+                n = max(1, min(ENGINE_PREFILL_CHUNK, *(self._pending(r) for r in waiting)))
+                rows = waiting[:max(1, budget // n)]
+                n = max(1, min(n, budget))
+                decodes = tuple(r for r in inst.decoding.values() if r.left > 1e-6)
+                # a row whose first blocks ran on a live pair's target costs only its other blocks here
+                tokens = sum(n * self._own_share(r) for r in rows)
+                took = self.compute.prefill_s(max(1, round(tokens)), len(inst.workers), self._sharing(inst))
+                if decodes:
+                    took += self._iter_s(inst)
+                inst.step_rows = tuple((r, n) for r in rows)
+                inst.step_decodes = decodes
+                inst.busy_until = start + took
+                self.q.at(inst.busy_until, self._prefilled, inst.iid, inst.version)
+                return
+        elif inst.prefilling and inst.busy_until > now + EPS:
             self.q.at(inst.busy_until, self._prefilled, inst.iid, inst.version)
             return
         if inst.decoding:
@@ -375,21 +443,43 @@ class Simulation:
             begin = max(now, inst.busy_until, inst.compute_from)
             self.q.at(begin + max(0.0, left) * it, self._decoded, inst.iid, inst.version)
 
+    def _own_share(self, r: Request) -> float:
+        """The share of `r`'s prefill this instance runs: all of it, less the blocks a live pair's
+        target ran for it (_pair_front)."""
+        return 1.0 - self.fronted.get(r.rid, 0) / self.p.n_blocks if self.fronted else 1.0
+
+    def _pending(self, r: Request) -> int:
+        """Prompt tokens still to prefill (a handed-over request rebuilds its KV: prompt + tokens so far)."""
+        return max(1, (r.recompute or r.prompt) - r.prefilled)
+
     def _prefilled(self, iid: str, version: int) -> None:
         inst = self.insts.get(iid)
         if inst is None or version != inst.version:
             return
         now = self.q.now
-        if inst.prefilling and inst.busy_until <= now + EPS:
+        if inst.step_rows and inst.busy_until <= now + EPS:
             self._advance(inst)
-            r = inst.prefilling.popleft()
-            if r.first_token is None:
-                r.first_token = now
-                self.latencies[r.model][0].append(now - r.arrive)
-                r.left, r.generated = r.output - 1, 1
-            r.recompute = 0
-            self.tokens_since[r.model] += 1
-            inst.decoding[r.rid] = r
+            for r in inst.step_decodes:  # the step's decode pass: one token each
+                if inst.decoding.get(r.rid) is r and r.left > 1e-6:
+                    step = min(1.0, r.left)
+                    r.left -= step
+                    r.generated += step
+                    self.tokens_since[r.model] += step
+            rows, inst.step_rows, inst.step_decodes = inst.step_rows, (), ()
+            for r, n in rows:
+                if r.instance != inst.iid or r not in inst.prefilling:
+                    continue
+                r.prefilled += n
+                if r.prefilled >= (r.recompute or r.prompt):
+                    inst.prefilling.remove(r)
+                    self.fronted.pop(r.rid, None)
+                    if r.first_token is None:
+                        r.first_token = now
+                        self.latencies[r.model][0].append(now - r.arrive)
+                        r.left, r.generated = r.output - 1, 1
+                    r.recompute = r.prefilled = 0
+                    self.tokens_since[r.model] += 1
+                    inst.decoding[r.rid] = r
             self._finish_done(inst)
         self._schedule(inst)
 
@@ -419,16 +509,32 @@ class Simulation:
     def _observation(self, now: float) -> autoscale.Observation:
         obs = {}
         for name, model in self.models.items():
+            if name in self.threshold_models:
+                # the tokens streamed up to now (a worker reports what it generated each interval): without
+                # this the fluid batches' tokens arrive in lumps at their events, and the threshold
+                # policy, which reads load_tps, sees ticks of zero load between them and flaps
+                for inst in self.by_model[name].values():
+                    self._advance(inst)
             states = list(self.live_states[name].values())
             running = self.running[name]
             queued = self.queue[name]
             ttft, tpot = self.latencies.pop(name, ([], []))
-            # demand in tokens/s (libs.planning.demand): streamed per second + queued output tokens / drain_s (1 s)
-            load_tps = self.tokens_since.pop(name, 0.0) / self.cfg.tick_s + sum(r.output for r in queued)
+            load_tps = self._load_tps(name, now)
             last = (self.last_request[name],) if name in self.last_request else ()
             obs[name] = autoscale.model_observation(model, now, states, len(queued) + running, load_tps, ttft, tpot,
                                                     last)
         return autoscale.Observation(obs)
+
+    def _load_tps(self, name: str, now: float) -> float:
+        """Demand in tokens/s as the load-monitor sees it (libs.planning.demand): the gateway's latest
+        report, every report_interval_s (its metrics_interval_s), holds the completion tokens streamed
+        over that interval / the interval plus the queued requests' output tokens / drain_s (1 s)."""
+        last = self.reported.get(name)
+        if last is None or now - last[0] >= self.cfg.report_interval_s - EPS:
+            interval = self.cfg.tick_s if last is None else now - last[0]
+            load = self.tokens_since.pop(name, 0.0) / interval + sum(r.output for r in self.queue[name])
+            last = self.reported[name] = (now, load)
+        return last[1]
 
     def _tick(self) -> None:
         self._monitor()
@@ -446,6 +552,8 @@ class Simulation:
 
     def _monitor(self) -> None:
         now = self.q.now
+        if now >= self.monitor_until:
+            return  # kept out (a controlled scale-out, as `bench scale` runs it: `force_scale`)
         self.autoscale, decisions = autoscale.step(self.autoscale, self._observation(now), now)
         for d in decisions:
             req = m.ScaleRequest.model_construct(model=d.model, desired_instances=d.desired, reason=d.reason,
@@ -459,7 +567,7 @@ class Simulation:
             return
         now = self.q.now
         view = self.view()
-        decision = self.decide(view, req, self._load_by_worker(),
+        decision = self.decide(view, req, self._load_by_worker(), dedicated=self.dedicated,
                                host_keep_alive_s=self.cfg.serverlessllm_keep_alive_s)
         if isinstance(decision, ScalePlan):
             if not decision.loads:
@@ -552,10 +660,7 @@ class Simulation:
             elif isinstance(e, so.Drain):
                 self.q.after(hop, self._unload, op_id, e.unload, False)
             elif isinstance(e, so.FormPair):
-                # Live pairs (BlitzScale §5.2) are not simulated: the pair is refused, both sides go on alone.
-                if "live pairs are not simulated (blitzscale runs as blitzscale-nopairs)" not in self.notes:
-                    self.notes.append("live pairs are not simulated (blitzscale runs as blitzscale-nopairs)")
-                self._to_op(op_id, so.PairAnswered(e.form.target_instance, "live pairs are not simulated"), call)
+                self.q.after(hop, self._form_pair, op_id, e.form)
             elif isinstance(e, so.CheckInstances):
                 for iid in e.instance_ids:
                     if iid in self.registry:
@@ -582,8 +687,114 @@ class Simulation:
     def _announced(self, info: m.InstanceInfo) -> None:
         self._set_instance(info)
 
+    # ------------------------------------------------------------------ live pairs (BlitzScale §5.2)
+    def _form_pair(self, op_id: str, form: m.FormLivePair) -> None:
+        """Both workers get the FormLivePair, the target first (services/worker/livepairs.py): each
+        lifecycle decides whether it can pair; the source splits its prefills from then on."""
+        error: str | None = None
+        formed: list[SimInstance] = []
+        if self.p.n_blocks < 2:
+            error = "a live pair needs a model of at least 2 blocks"
+        for role, iid, peer in (("target", form.target_instance, f"{form.source_worker}/{form.source_instance}"),
+                                ("source", form.source_instance, f"{form.target_worker}/{form.target_instance}")):
+            inst = self.insts.get(iid)
+            if error is not None:
+                break
+            if inst is None:
+                error = f"instance {iid} is not here"
+                break
+            self._advance(inst)
+            inst.life, effects = lc.step(inst.life, lc.PairFormed(role, peer))
+            refused = [e for e in effects if isinstance(e, lc.Refuse)]
+            if refused:
+                error = refused[0].detail
+                break
+            formed.append(inst)
+        if error is None:
+            n = self.p.n_blocks
+            cap = min(form.max_target_blocks or n // 2, n - 1)
+            self.pairs[form.source_instance] = (form.target_instance, PrefillSplitter(n, cap=cap, policy=form.split))
+            self.pair_stats["formed"] += 1
+        else:
+            self.pair_stats["refused"] += 1
+            for inst in formed:  # the target's part was formed: it ends again
+                inst.life, effects = lc.step(inst.life, lc.PairEnded(f"could not start: {error}"))
+                self._worker_effects(inst, effects)
+        self._to_op(op_id, so.PairAnswered(form.target_instance, error), self.ctl.call_s)
+
+    def _pair_ended(self, iid: str, reason: str) -> None:
+        inst = self.insts.get(iid)
+        if inst is None:
+            return
+        self._advance(inst)
+        inst.life, effects = lc.step(inst.life, lc.PairEnded(reason))
+        self._worker_effects(inst, effects)
+        self._dispatch(inst.model)  # a target that attached meanwhile takes requests
+        self._schedule(inst)
+
+    def _pair_front(self, inst: SimInstance, r: Request, tokens: int) -> float | None:
+        """Seconds the head request's first blocks take on the live pair's target (the split is
+        the PrefillSplitter's, over what the target holds now); None: no pair, or split already."""
+        pair = self.pairs.get(inst.iid)
+        if pair is None or r.rid in self.fronted:
+            return None
+        target = self.insts.get(pair[0])
+        if target is None:
+            return None
+        splitter = pair[1]
+        if splitter.fixed is None:
+            splitter.held(leading_blocks(target.life.in_engine))
+        k = splitter([r.rid])
+        self.fronted[r.rid] = k
+        self.pair_stats["splits"].append(k)
+        if k <= 0:
+            return None
+        # the target's share of the prefill, then its hidden state and KV back (one call)
+        return k / self.p.n_blocks * self.compute.prefill_s(tokens, 1, self._sharing(target)) + self.ctl.call_s
+
+    def _front_done(self, iid: str, version: int) -> None:
+        inst = self.insts.get(iid)
+        if inst is None or version != inst.version:
+            return
+        self._advance(inst)
+        self._schedule(inst)
+
     # ------------------------------------------------------------------ workers
     def _worker_load(self, op_id: str, worker: str, load: m.LoadModel) -> None:
+        if self.dedicated and self._make_room(op_id, worker, load):
+            return
+        self._start_load(op_id, worker, load)
+
+    def _make_room(self, op_id: str, worker: str, load: m.LoadModel) -> bool:
+        """sharing=dedicated (DedicatedSharing.make_room): another model's instances on the worker
+        are unloaded (drained) first; the load waits for them. True: it waits."""
+        others = [i for i in self.on_worker[worker].values() if i.model != load.model]
+        if not others and not self.room_wait.get(worker):
+            return False
+        self.room_wait[worker].append((op_id, worker, load))
+        for inst in others:
+            if inst.life.phase in lc.STOPPING or inst.life.phase in lc.ENDED:
+                continue  # already on its way out
+            self._advance(inst)
+            self.evicted += 1
+            inst.life, effects = lc.step(inst.life, lc.UnloadAsked(
+                reason=f"unloaded for {load.model} (sharing=dedicated)", drain_timeout_s=EVICT_DRAIN_TIMEOUT_S))
+            self._worker_effects(inst, effects)
+        if not others:
+            self._room_made(worker)
+        return True
+
+    def _room_made(self, worker: str) -> None:
+        waiting = self.room_wait.get(worker, [])
+        if not waiting or any(i.model != waiting[0][2].model for i in self.on_worker[worker].values()):
+            return
+        op_id, _, load = waiting.pop(0)
+        self._start_load(op_id, worker, load)
+        if waiting:  # the next one (another model's) unloads this one first
+            nxt = waiting.pop(0)
+            self._worker_load(*nxt)
+
+    def _start_load(self, op_id: str, worker: str, load: m.LoadModel) -> None:
         now = self.q.now
         blocks = tuple(range(load.block_start, load.block_end))
         life, effects = lc.step(lc.Lifecycle(load.instance_id), lc.LoadAsked(blocks, load.serve_while_loading))
@@ -591,9 +802,11 @@ class Simulation:
         self._add_inst(inst)
         self._to_op(op_id, so.LoadAnswered(load.instance_id))
         sizes = self.block_bytes
+        # Every mode builds an engine (KV slots, the model's skeleton: services/worker/loading.py),
+        # beside the blocks' load; `ideal` (preheld) only skips the blocks' copies.
+        build = now + self.p.engine_build_s
         if load.preheld:
             engine = [now] * len(sizes)
-            build = now
         else:
             arrivals = self.transfers.get(load.incoming_transfer or "", {}).get(worker)
             held = self._holds_host(load.model, worker)
@@ -608,7 +821,6 @@ class Simulation:
             for b, t in enumerate(in_host):
                 self.q.at(t, self._replica, load.model, worker, b, HOST, True)
             engine = self.storage.to_engine(in_host, sizes, now)
-            build = now + self.p.engine_build_s
         inst.compute_from = max(max(engine), build)
         self.q.at(build, self._worker_event, inst.iid, op_id, lc.EngineBuilt())
         for b, t in enumerate(engine):
@@ -658,6 +870,12 @@ class Simulation:
             elif isinstance(e, lc.ReportStopped):
                 self._drop_inst(inst)
                 self._report(inst, op_id, m.InstanceState.failed if e.failed else m.InstanceState.stopped)
+                if self.room_wait.get(inst.workers[0]):
+                    self._room_made(inst.workers[0])
+            elif isinstance(e, lc.EndPair):
+                self.pairs.pop(inst.iid, None)  # a source runs every block itself again
+                if e.notify_peer:  # this side ended it: the other side hears (EndLivePair)
+                    self.q.after(self.ctl.call_s, self._pair_ended, e.peer.split("/", 1)[-1], e.reason)
 
     def _expire_host(self, model: str, worker: str) -> None:
         # the host cache's keep-alive ran out, unless an instance of the model runs there again
@@ -707,15 +925,32 @@ class Simulation:
         moved = [*inst.prefilling, *inst.decoding.values()]
         inst.prefilling.clear()
         inst.decoding.clear()
+        inst.step_rows, inst.step_decodes = (), ()
         inst.version += 1
+        inst.front_until = 0.0
+        for r in moved:
+            self.fronted.pop(r.rid, None)  # a front run for the old instance does not count where it lands
         for r in reversed(moved):
             self.running[r.model] -= 1
+            r.prefilled = 0
             if r.first_token is not None:
                 r.recompute = r.prompt + int(r.generated)
             inst.life, _ = lc.step(inst.life, lc.RequestEnded(r.rid))
             self.queue[r.model].appendleft(r)
         if moved:
             self.q.at(self.q.now, self._dispatch, inst.model)
+
+    def force_scale(self, at: float, desired: int, model: str | None = None) -> None:
+        """From `at` on, the load-monitor is kept out and the planner is asked once for `desired`
+        instances at `at` (`layercast bench scale`'s controlled scale-out: its decision)."""
+        self.monitor_until = at
+        req = m.ScaleRequest.model_construct(model=model or next(iter(self.models)), desired_instances=desired,
+                                             reason="forced", sent_at=at, version=1)
+        self.q.at(at, self._reconcile, req)
+
+    def serving_instances(self, model: str | None = None) -> set[str]:
+        """The instances that serve now (warm ones, before a forced scale-out)."""
+        return {i.iid for i in self.by_model[model or next(iter(self.models))].values() if i.life.serving}
 
     # ------------------------------------------------------------------ run
     def run(self, progress: Callable[[float], None] | None = None) -> RunResult:
@@ -724,14 +959,41 @@ class Simulation:
         for r in self.requests:
             if r.done is None and r.lost is None:
                 r.lost = "unfinished at the end"
+        if mode_spec(self.cfg.mode).live_pairs:
+            splits = self.pair_stats["splits"]
+            on_target = [k for k in splits if k > 0]
+            self.notes.append(
+                f"live pairs: {self.pair_stats['formed']} formed, {self.pair_stats['refused']} refused; "
+                f"{len(on_target)} of {len(splits)} paired prefills ran blocks on the target"
+                + (f" (mean {sum(on_target) / len(on_target):.1f} of {self.p.n_blocks})" if on_target else ""))
+        if self.evicted:
+            self.notes.append(f"sharing=dedicated: {self.evicted} instances unloaded for another model's load")
         return RunResult(self.cfg.mode, self.requests, self.series, self.closed_ops, self.q.processed,
-                         min(end, self.q.now), self.notes)
+                         min(end, self.q.now), self.notes, dict(self.pair_stats), self.evicted)
 
 
-def autoscale_policy(cfg: FleetConfig) -> tuple[str, dict[str, float]]:
+def profiled_capacity_tps(profile: SimProfile, mean_prompt: float, mean_output: float) -> float:
+    """The output tokens/s one instance sustains, profiled offline as BlitzScale §5.3 asks (the
+    threshold policy's ``capacity_tps``), on the workload's mix: requests of the mean prompt and
+    output back to back, each costing its prefill plus its share of full-batch decode iterations
+    (max_batch at the mean sequence length): O / (prefill(P) + O · decode(B, P + O/2) / B)."""
+    batch = profile.max_batch
+    per_request = (profile.compute.prefill_time(max(1, round(mean_prompt)))
+                   + mean_output * profile.compute.decode_time(batch, max(1.0, mean_prompt + mean_output / 2)) / batch)
+    return mean_output / per_request
+
+
+def autoscale_policy(cfg: FleetConfig, capacity_tps: float | None = None) -> tuple[str, dict[str, float]]:
+    """The deployment's policy as `layercast model deploy` would give it (deploy_policy); a
+    threshold policy gets the profiled `capacity_tps` (what an operator passes with
+    --policy-param capacity_tps=N) instead of the mode's placeholder."""
     from libs.planning.scaleout import deploy_policy
 
-    return deploy_policy(cfg.mode, cfg.policy, {})
+    given = dict(cfg.policy_params)
+    policy, params = deploy_policy(cfg.mode, cfg.policy, given)
+    if policy == "threshold" and capacity_tps is not None and "capacity_tps" not in given:
+        params = {**params, "capacity_tps": capacity_tps}
+    return policy, params
 
 
 def simulate(cfg: FleetConfig, profile: SimProfile, requests: Sequence[tuple[float, int, int]],

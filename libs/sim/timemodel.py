@@ -11,7 +11,8 @@
   ``CHUNK_RELAY``) forward cut-through: a relay starts a block once its first chunk is in, and
   finishes it no earlier than one chunk after its upstream finished it.
   Closed forms (uniform links R, overhead o, M bytes in B blocks): one link M/R + B·o;
-  a binomial 1→N schedule of S steps S·(M/B/R + o); a chain of n nodes (M + (n−2)·c)/R + B·o.
+  a binomial 1→N schedule of S steps S·(M/B/R + o); a chain of n nodes (M + (n−2)·c)/R +
+  (B + n − 2)·o (each hop past the first adds a chunk and one block's overhead).
   Cross-leaf transfers of one step share their leaf's uplink evenly (a step-level fluid
   approximation of the fabric's fair share).
 * :class:`Storage` — a load from disk: blocks read one after another (``disk_read_latency_s`` +
@@ -36,6 +37,10 @@ from libs.planning.mesh import Profile
 from libs.planning.multicast import CHUNK_RELAY, MulticastPlan, multicast_algorithm, node_parts
 
 __all__ = ["Compute", "Control", "Fabric", "Storage", "multicast_arrivals"]
+
+# A profile extrapolated beyond its measured lengths can reach 0 or below (a noisy profile whose
+# times fall with length): a step then takes no time and the simulation never advances.
+MIN_COMPUTE_S = 1e-6
 
 
 @dataclass(frozen=True)
@@ -130,12 +135,14 @@ class Compute:
     pipeline_hop_s: float = 0.0
 
     def prefill_s(self, prompt_len: int, stages: int = 1, sharing: int = 1) -> float:
-        return (self.profile.prefill_time(prompt_len) + (stages - 1) * self.pipeline_hop_s) * max(1, sharing)
+        t = max(MIN_COMPUTE_S, self.profile.prefill_time(prompt_len))
+        return (t + (stages - 1) * self.pipeline_hop_s) * max(1, sharing)
 
     def iteration_s(self, batch: int, mean_len: float, stages: int = 1, sharing: int = 1) -> float:
         if batch <= 0:
             return 0.0
-        return (self.profile.decode_time(batch, mean_len) + (stages - 1) * self.pipeline_hop_s) * max(1, sharing)
+        t = max(MIN_COMPUTE_S, self.profile.decode_time(batch, mean_len))
+        return (t + (stages - 1) * self.pipeline_hop_s) * max(1, sharing)
 
 
 @dataclass(frozen=True)

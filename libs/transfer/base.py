@@ -17,7 +17,7 @@ import threading
 import time
 import zlib
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -193,11 +193,18 @@ class Transport(ABC):
         # (op, source) -> the data-plane address the op's plan gives that source: bytes for the op
         # are taken only from there (see named_source / expected_slot's `accept`).
         self._source_addresses: dict[tuple[str, str], str] = {}
+        # Peers whose messages (activations, grants, aborts) are taken: node -> the addresses the
+        # plans, pipelines and pairs that name it give it -> how many of them do (see admit_messages).
+        self._message_peers: dict[str, Counter[str]] = {}
         self._expected_changed = threading.Condition()
         self._handlers: dict[str, MessageHandler] = {ABORT_CHANNEL: self._on_abort, GRANT_CHANNEL: self._on_grant}
         self._grants: set[tuple[str, int, str]] = set()  # (op, block, receiver) a receiver is ready for
         self._grants_changed = threading.Condition()
         self._forgotten: OrderedDict[str, None] = OrderedDict()  # recent finished ops: late bytes are dropped
+        # Called (peer node id, what happened) on a transport thread when a connection with an
+        # admitted peer breaks or a send to it fails: the peer may be dead (the worker tells the
+        # registry, which checks: libs/planning/liveness.py). Never called for this node's own close.
+        self.on_peer_lost: Callable[[str, str], None] | None = None
 
     @property
     @abstractmethod
@@ -250,16 +257,50 @@ class Transport(ABC):
         """Whether an operation registered here expects bytes from `src` at an address `accept`s
         (its argument: the plan's address for `src`, None where none was registered). Waits up to
         `wait_s` for a plan still arriving."""
+        return self._wait_until(lambda: self._plan_expects(src, accept), wait_s)
+
+    def _plan_expects(self, src: str, accept: Callable[[str | None], bool]) -> bool:
+        """(Under the lock.) Whether an operation expects bytes from `src` at an address `accept`s."""
+        ops = {op for (op, _), (s, _) in self._expected.items() if s == src}
+        return any(accept(self._source_addresses.get((op, src))) for op in ops)
+
+    def _wait_until(self, predicate: Callable[[], bool], wait_s: float) -> bool:
+        """Whether `predicate` (checked under the lock) holds within `wait_s`: rechecked on every
+        change of the expected sources, and every 0.5 s."""
         deadline = time.monotonic() + wait_s
         with self._expected_changed:
-            while True:
-                ops = {op for (op, _), (s, _) in self._expected.items() if s == src}
-                if any(accept(self._source_addresses.get((op, src))) for op in ops):
-                    return True
+            while not predicate():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._expected_changed.wait(min(left, 0.5))
+            return True
+
+    def admit_messages(self, peer: str, address: str) -> None:
+        """Take messages from `peer` at `address` (where a plan, a pipeline or a live pair says it
+        is) until as many `revoke_messages` as calls of this: a transport that can tell takes a
+        message connection, and each message on it, only from a peer so named."""
+        with self._expected_changed:
+            self._message_peers.setdefault(peer, Counter())[address] += 1
+            self._expected_changed.notify_all()
+
+    def revoke_messages(self, peer: str, address: str) -> None:
+        with self._expected_changed:
+            addresses = self._message_peers.get(peer)
+            if addresses is None or addresses[address] <= 0:
+                return
+            addresses[address] -= 1
+            if addresses[address] <= 0:
+                del addresses[address]
+            if not addresses:
+                del self._message_peers[peer]
+
+    def message_source(self, src: str, accept: Callable[[str | None], bool], wait_s: float) -> bool:
+        """Whether messages from `src` are taken: something here names it at an address `accept`s
+        (admit_messages, or an operation expecting its bytes: its aborts). Waits up to `wait_s`
+        for a plan still arriving (a receiver's grant may come before the sender's part)."""
+        return self._wait_until(lambda: any(accept(a) for a in self._message_peers.get(src, ()))
+                                or self._plan_expects(src, accept), wait_s)
 
     def forget(self, op_id: str) -> None:
         """Drop an operation's registrations (it finished or failed); late bytes for it are refused."""
@@ -312,6 +353,15 @@ class Transport(ABC):
                      if s == src and (op_id is None or op == op_id)]
         for slot in slots:
             slot.fail(error)
+
+    def peer_lost(self, peer: str, reason: str) -> None:
+        """Tell `on_peer_lost` (if set) that the data plane lost `peer`; its errors are only logged."""
+        if self.on_peer_lost is None or peer == self.node_id:
+            return
+        try:
+            self.on_peer_lost(peer, reason)
+        except Exception:
+            log.exception("%s: on_peer_lost(%s) failed", self.node_id, peer)
 
     def fail_all(self, error: BaseException) -> None:
         with self._expected_changed:

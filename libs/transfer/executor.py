@@ -98,6 +98,10 @@ class PartRun:
         except BaseException:
             transport.forget(op_id)
             raise
+        # Messages too (grants from its receivers, aborts from its senders), until the run ends.
+        self._admitted = [(peer, peers[peer]) for peer in {h.peer for h in (*self.sends, *self.receives)}]
+        for peer, address in self._admitted:
+            transport.admit_messages(peer, address)
         for hop in self.receives:
             slot = slots[hop.block]
             slot.on_done(self._received)
@@ -173,6 +177,9 @@ class PartRun:
             raise _as_transfer_error(op_id, e) from e
         finally:
             self.transport.forget(op_id)
+            for peer, address in self._admitted:
+                self.transport.revoke_messages(peer, address)
+            self._admitted = []
 
 
 def run_part(transport: Transport, op_id: str, **kwargs) -> PartResult:

@@ -469,6 +469,10 @@ def up(workers: int = typer.Option(2, help="Number of worker processes."),
 
 def _up(spec: ClusterSpec, state_dir: Path, workers: int, demo: bool, demo_preset: str, demo_blocks: int,
         detach: bool, emulation) -> None:
+    def _interrupt(_sig, _frame):  # until supervision runs, SIGTERM stops the start as Ctrl-C does
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         model_path = _demo_checkpoint(state_dir, demo_preset, demo_blocks) if demo else None
         if model_path is not None and emulation is not None and emulation.profile.disk_read_mbit:
@@ -480,36 +484,49 @@ def _up(spec: ClusterSpec, state_dir: Path, workers: int, demo: bool, demo_prese
                 if f.is_file():
                     drop_page_cache(f)
         with console.status(f"starting NATS, database, services and {workers} workers"):
-            state = start_cluster(spec, emulation=emulation)
+            state = start_cluster(spec, emulation=emulation)  # interrupted, it stops what it started
     except ClusterError as e:
         _fail(str(e))
-    try:
+    detached = False
+    try:  # from here on, however it ends (an error, a signal, the supervisor's end), the cluster is stopped
         if model_path is not None:
-            deploy_model(state, "demo", model_path, min_instances=0, max_instances=workers, keep_alive_s=300)
-    except (ClusterError, httpx.HTTPError) as e:
-        stop_cluster(state_dir)
-        _fail(f"deploying the demo model failed: {e}")
-    _print_welcome(state, demo_preset if demo else None)
-    if detach:
-        return
-    console.print("Press Ctrl-C to stop. A service that exits is restarted (with backoff).")
+            try:
+                deploy_model(state, "demo", model_path, min_instances=0, max_instances=workers, keep_alive_s=300)
+            except (ClusterError, httpx.HTTPError) as e:
+                _fail(f"deploying the demo model failed: {e}")
+        _print_welcome(state, demo_preset if demo else None)
+        if detach:
+            detached = True
+            return
+        console.print("Press Ctrl-C to stop. A service that exits is restarted (with backoff).")
+        # Supervised as Kubernetes would: a service that dies is started again the same way, after a
+        # capped backoff, and the restart is logged; a worker's exit is told to the registry at once.
+        supervisor = Supervisor(state, emulation, report=lambda line: console.print(
+            f"[yellow]{time.strftime('%H:%M:%S')} {line}[/yellow]"))
 
-    def _terminate(_sig, _frame):  # SIGTERM (e.g. from a supervisor) stops the cluster like Ctrl-C
-        raise KeyboardInterrupt
+        def _stop(_sig, _frame):
+            # No exception: one raised here could land in the middle of a restart (a process
+            # started, not yet recorded) or, a second signal, in the middle of the shutdown
+            # (which then left every service and NATS running). The supervisor ends its pass.
+            supervisor.request_stop()
 
-    signal.signal(signal.SIGTERM, _terminate)
-    # Supervised as Kubernetes would: a service that dies is started again the same way, after a
-    # capped backoff, and the restart is logged; a worker's exit is told to the registry at once.
-    supervisor = Supervisor(state, emulation, report=lambda line: console.print(
-        f"[yellow]{time.strftime('%H:%M:%S')} {line}[/yellow]"))
-    try:
+        signal.signal(signal.SIGTERM, _stop)  # e.g. from a supervisor or `timeout`: stops it like Ctrl-C
+        signal.signal(signal.SIGINT, _stop)
         supervisor.run()
-    except KeyboardInterrupt:
-        pass
     finally:
-        with console.status("stopping"):
-            stop_cluster(state_dir)
-        console.print("stopped")
+        if not detached:
+            _shut_down(state)
+
+
+def _shut_down(state: ClusterState) -> None:
+    """Stop every process of `state` (the supervisor's: it names the pids it restarted), services
+    first, NATS last. SIGTERM and SIGINT no longer interrupt: the stop is bounded (SIGKILL after
+    its grace period), and one cut short leaves processes running with no one to stop them."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _sig, _frame: None)
+    with console.status("stopping"):
+        stop_cluster(Path(state.state_dir), state)
+    console.print("stopped")
 
 
 @app.command()
@@ -544,3 +561,11 @@ def status(state_dir: Path = StateDir, as_json: bool = typer.Option(False, "--js
 from services.cli.simulate import simulate as _simulate  # noqa: E402
 
 app.command("simulate")(_simulate)
+
+# `layercast simulate-figures` (libs.sim.figures): the papers' curves at their scale.
+from services.cli.simfigures import simulate_figures as _simulate_figures  # noqa: E402
+
+app.command("simulate-figures")(_simulate_figures)
+from services.cli.sim_profile import simulate_profile as _simulate_profile  # noqa: E402
+
+app.command("simulate-profile")(_simulate_profile)

@@ -1,14 +1,23 @@
 """`python -m services.gateway`: run the HTTP gateway."""
 
-import argparse
 import os
+import sys
 
-from libs.planning.sharing import SHARINGS, sharing_setting
-from libs.protocol import subjects
-from libs.telemetry import setup_logging, setup_tracing
-from services.gateway.app import create_app
-from services.gateway.server import serve
-from services.gateway.service import GatewayConfig, GatewayService
+# The gateway only tokenizes, and transformers without torch loads the same tokenizers: when it
+# finds torch it imports it (seconds), which a restarted gateway would spend before its first
+# answer (issue 40). None in sys.modules makes torch absent to transformers' checks, and an
+# `import torch` fail loudly. Its advisory "PyTorch was not found" is for model users: not shown.
+sys.modules.setdefault("torch", None)
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import argparse  # noqa: E402 (after the torch guard, as are all below)
+
+from libs.planning.sharing import SHARINGS, sharing_setting  # noqa: E402
+from libs.protocol import subjects  # noqa: E402
+from libs.telemetry import setup_logging, setup_tracing  # noqa: E402
+from services.gateway.app import create_app  # noqa: E402
+from services.gateway.server import serve  # noqa: E402
+from services.gateway.service import GatewayConfig, GatewayService  # noqa: E402
 
 
 def _keys(value: str | None, name: str) -> list[str]:

@@ -44,6 +44,7 @@ class Route:
     # `refused_until` (monotonic seconds); None: not refused.
     refused_load: int | None = None
     refused_until: float = 0.0
+    added_at: float = field(default_factory=time.monotonic)  # when an event or a resync first routed to it
 
     def capacity(self, now: float) -> int:
         """The slots it may fill now: all, or only its load when refused (a request that ends

@@ -27,7 +27,8 @@ NEUTRAL_VALUES: dict[str, Any] = {"store": False}
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Finite numbers only: 1e999 is a JSON number that parses as inf, which no field means.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -250,21 +251,27 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
+# Bounds of a deployment's durations, well past any meaningful one (1e308 s was accepted): never
+# scaling to zero is min_instances >= 1, not a keep-alive of centuries.
+MAX_KEEP_ALIVE_S = 30 * 86400.0
+MAX_SLO_S = 3600.0
+
+
 class DeployRequest(_Body):
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-/]+$")
+    name: m.ModelName
     path: str = Field(min_length=1)
-    min_instances: int = Field(default=0, ge=0)
-    max_instances: int = Field(default=4, ge=1)
-    keep_alive_s: float = Field(default=60.0, ge=0)
-    max_queue: int = Field(default=256, ge=1)
+    min_instances: int = Field(default=0, ge=0, le=m.INT32_MAX)
+    max_instances: int = Field(default=4, ge=1, le=m.INT32_MAX)
+    keep_alive_s: float = Field(default=60.0, ge=0, le=MAX_KEEP_ALIVE_S)
+    max_queue: int = Field(default=256, ge=1, le=m.INT32_MAX)
     scaling_mode: m.ScalingMode = "layercast"
     # None (not given): the scaling mode's default (libs.planning.scaleout.deploy_policy):
     # threshold for blitzscale, concurrency otherwise.
     policy: m.ScalingPolicy = "concurrency"
     policy_params: dict[str, float] = Field(default_factory=dict, validate_default=True)
     # LLM-Mesh SLOs (m.DeployModel): None = max(2, prompt tokens / 512) s.
-    ttft_slo_s: float | None = Field(default=None, gt=0)
-    tpot_slo_s: float = Field(default=0.25, gt=0)
+    ttft_slo_s: float | None = Field(default=None, gt=0, le=MAX_SLO_S)
+    tpot_slo_s: float = Field(default=0.25, gt=0, le=MAX_SLO_S)
 
     @model_validator(mode="before")
     @classmethod
@@ -299,7 +306,7 @@ class DeployRequest(_Body):
 class ProfileRequest(_Body):
     """A measured LLM-Mesh profile to store (m.ModelProfile; `layercast model profile --publish`)."""
 
-    model: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-/]+$")
+    model: m.ModelName
     device: Literal["cpu", "cuda"]
     prefill_lengths: list[int] = Field(min_length=1)
     prefill_s: list[float] = Field(min_length=1)

@@ -18,7 +18,7 @@ from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 from transformers import AutoTokenizer
 
-from libs.checkpoint import CheckpointIndex
+from libs.checkpoint.format import CheckpointIndex
 from libs.planning.sharing import sharing_setting
 from libs.protocol import messages as m
 from libs.protocol import subjects
@@ -211,6 +211,8 @@ class Generation:
                                retry_after=1) from None
             if ev.instance_id is not None and ev.instance_id != self.route.instance_id:
                 continue  # from the instance this request was handed over from: stale
+            if ev.attempt is not None and self.attempt is not None and ev.attempt != self.attempt:
+                continue  # from an attempt it left on this same instance (a hand-over back to it): stale
             if ev.error is not None:
                 self.switches += ev.preempted  # a worker's preemption (sharing=mesh): planned, not a failure
                 if await self._hand_over(ev.error):
@@ -334,6 +336,9 @@ class GatewayService(Service):
         self._synced = False
         self._first_sync = asyncio.Event()  # set once, when the registry has been read
         self.listed: set[str] = set()  # the models the registry listed at the last read (some may be loading)
+        # When a deploy or delete of a model (its event, or the admin call answered here) last
+        # reached this gateway: a registry read asked before that is older news about the model.
+        self._model_news_at: dict[str, float] = {}
         self.ended = EndedInstances()
         self._adding: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._demand = asyncio.Event()
@@ -401,6 +406,17 @@ class GatewayService(Service):
         self.models[info.name] = entry
         return entry
 
+    async def deployed(self, info: m.ModelInfo) -> ModelEntry:
+        """The registry has deployed `info` (its event, or the deploy call this gateway answered)."""
+        self._model_news_at[info.name] = time.monotonic()
+        self.listed.add(info.name)
+        return await self.add_model(info)
+
+    def deleted(self, name: str) -> None:
+        """The registry has deleted the model (its event, or the delete call this gateway answered)."""
+        self._model_news_at[name] = time.monotonic()
+        self.drop_model(name)
+
     def drop_model(self, name: str) -> None:
         self.listed.discard(name)  # deleted: a 404 from now on, not a 503 "not loaded yet"
         entry = self.models.pop(name, None)
@@ -423,7 +439,7 @@ class GatewayService(Service):
                 # to be handed over (a planned move, not a failure).
                 for _, gen in self._streams_on(route):
                     gen.switches += 1
-        elif inst.state != m.InstanceState.ready:
+        elif inst.state != m.InstanceState.loading:  # a "loading" after "ready" is stale (the registry's rule too)
             why = f"switched to {', '.join(switched_to)}" if switched_to else f"instance {inst.state.value}"
             self._drop_route(entry, inst.instance_id, why, switched=bool(switched_to))
 
@@ -461,13 +477,20 @@ class GatewayService(Service):
 
     async def resync(self) -> None:
         """Rebuild the tables from the registry; events keep them fresh in between."""
+        asked = time.monotonic()
         view = await call(self.broker, subjects.REGISTRY_CLUSTER, m.GetCluster(recent_scale_ops=0), m.ClusterView)
+        # A model deployed or deleted after the registry was asked: the view is older than that
+        # news and must not undo it (a model deployed meanwhile dropped again would be a 404 for
+        # a whole resync interval, and the requests queued for it failed).
+        newer = {name for name, at in self._model_news_at.items() if at >= asked}
         names = {mi.name for mi in view.models}
-        self.listed = names
+        self.listed = (names - newer) | (self.listed & newer)
         for name in list(self.models):
-            if name not in names:
+            if name not in names and name not in newer:
                 self.drop_model(name)
         for info in view.models:
+            if info.name in newer:
+                continue
             try:
                 await self.add_model(info)
             except Exception as e:
@@ -476,7 +499,11 @@ class GatewayService(Service):
         for inst in view.instances:
             self._apply_instance(inst)
         for entry in self.models.values():
-            for iid in [i for i in entry.routes.routes if i not in live]:
+            # A route first added after the registry was asked came from a newer event than the
+            # view (an instance's "ready" reaches the gateway before the registry has written
+            # it): the view says nothing of it. Dropping it would leave the instance without
+            # requests until the next resync, longer than a pipeline may serve.
+            for iid in [i for i, r in entry.routes.routes.items() if i not in live and r.added_at < asked]:
                 self._drop_route(entry, iid, "instance no longer in the registry")
         self._mark_synced()
 
@@ -519,10 +546,9 @@ class GatewayService(Service):
         @on_event(m.ModelEvent)
         async def model(ev: m.ModelEvent) -> None:
             if ev.kind == "deployed":
-                self.listed.add(ev.model.name)
-                await self.add_model(ev.model)
+                await self.deployed(ev.model)
             else:
-                self.drop_model(ev.model.name)
+                self.deleted(ev.model.name)
 
     # --- requests ----------------------------------------------------------------------------------
     def entry(self, name: str, visible: bool = True) -> ModelEntry:

@@ -3,7 +3,6 @@ database connection; everyone else asks over NATS (subjects.REGISTRY_*)."""
 
 import asyncio
 import logging
-import re
 import time
 
 from prometheus_client import Counter, Gauge
@@ -11,6 +10,7 @@ from prometheus_client import Counter, Gauge
 from libs.db.session import make_engine, migrate
 from libs.bus.broker import DomainError, on_event, publish, rpc
 from libs.db.store import RegistryStore
+from libs.planning import liveness
 from libs.planning.autoscale import check_policy
 from libs.planning.mesh_profiles import InvalidProfile, profile_from_message
 from libs.protocol import messages as m
@@ -22,19 +22,26 @@ INSTANCES = Gauge("layercast_registry_instances", "Live instances per model and 
 EXPIRED = Counter("layercast_registry_worker_expirations_total", "Workers declared dead (heartbeats stopped)")
 EXITED = Counter("layercast_registry_worker_exits_total",
                  "Workers declared dead because their supervisor saw their process exit")
+UNREACHABLE = Counter("layercast_registry_worker_unreachable_deaths_total",
+                      "Workers declared dead because a data-plane peer reported them unreachable and the "
+                      "registry's own check agreed (libs/planning/liveness.py)")
+UNREACHABLE_REPORTS = Counter("layercast_registry_unreachable_reports_total",
+                              "WorkerUnreachable reports by what became of them", ["verdict"])
+
+PROBE_TIMEOUT_S = 1.0  # a connect to a worker's data-plane address not answered by then: cannot tell
 
 log = logging.getLogger(__name__)
-
-MODEL_NAME = re.compile(r"[A-Za-z0-9_.:\-/]{1,128}")  # what DeployModel.name allows
-
 
 class RegistryService(Service):
     name = "registry"
 
-    def __init__(self, database_url: str, nats_url: str | None = None, heartbeat_ttl_s: float = 5.0):
+    def __init__(self, database_url: str, nats_url: str | None = None, heartbeat_ttl_s: float = 5.0,
+                 liveness_rule: liveness.LivenessRule = liveness.LivenessRule()):
         super().__init__(nats_url)
         self.database_url = database_url
         self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.liveness_rule = liveness_rule
+        self._unreachable: dict[str, tuple[liveness.Report, ...]] = {}  # worker -> reports that count
         self.engine = None
         self.store: RegistryStore | None = None
         self._changed = asyncio.Event()  # the store counted a change not yet announced
@@ -79,25 +86,57 @@ class RegistryService(Service):
         for (model, state), n in counts.items():
             INSTANCES.labels(model, state).set(n)
 
-    async def expire_once(self, exited: m.WorkerExited | None = None) -> list[m.WorkerInfo]:
-        """Declare dead the workers whose heartbeats stopped, or the one whose process `exited`."""
+    async def expire_once(self, exited: m.WorkerExited | None = None, *,
+                          unreachable: m.WorkerUnreachable | None = None, why: str = "") -> list[m.WorkerInfo]:
+        """Declare dead the workers whose heartbeats stopped, or the one whose process `exited`,
+        or the one found `unreachable` (`why`: the verdict)."""
+        named = exited or unreachable
         dead = await self.store.expire_workers(time.time() - self.heartbeat_ttl_s,
-                                               None if exited is None else [exited.worker_id])
+                                               None if named is None else [named.worker_id])
         if dead:
-            (EXPIRED if exited is None else EXITED).inc(len(dead))
+            (EXPIRED if named is None else EXITED if exited is not None else UNREACHABLE).inc(len(dead))
             failed = await self.store.stop_instances_on([w.worker_id for w in dead])
             for w in dead:
-                if exited is None:
+                self._unreachable.pop(w.worker_id, None)
+                if named is None:
                     log.warning("worker %s expired (no heartbeat for %.1fs)", w.worker_id, self.heartbeat_ttl_s)
-                else:
+                elif exited is not None:
                     log.warning("worker %s exited (%s): dead", w.worker_id, exited.reason or "its supervisor says")
+                else:
+                    log.warning("worker %s unreachable (reported by %s: %s; %s): dead", w.worker_id,
+                                unreachable.reporter, unreachable.reason or "connection broke", why)
                 await publish(self.broker, subjects.EVENT_WORKER_EXPIRED,
                               m.WorkerExpired(worker_id=w.worker_id, last_heartbeat=w.last_heartbeat))
+            reason = ("worker expired" if named is None else "worker exited" if exited is not None
+                      else "worker unreachable")
             for inst in failed:
-                await publish(self.broker, subjects.EVENT_INSTANCE,
-                              m.InstanceEvent(instance=inst, reason="worker expired" if exited is None
-                                              else "worker exited"))
+                await publish(self.broker, subjects.EVENT_INSTANCE, m.InstanceEvent(instance=inst, reason=reason))
         return dead
+
+    async def on_unreachable(self, req: m.WorkerUnreachable) -> m.CommandAck:
+        """A peer could not reach `req.worker_id` on the data plane: check it (liveness.verdict)
+        and, dead, stop it as an expiry would. Not alive here (unknown, dead already): ignored."""
+        workers = {w.worker_id: w for w in await self.store.list_workers()}
+        target = workers.get(req.worker_id)
+        if target is None or req.reporter == req.worker_id or req.reporter not in workers:
+            # (a reporter must be a live worker: a quorum of names nobody registered counts for nothing)
+            UNREACHABLE_REPORTS.labels("ignored").inc()
+            return m.CommandAck(accepted=False, detail="not a live worker" if target is None else
+                                "a self-report" if req.reporter == req.worker_id else "the reporter is not a live worker")
+        rule, now = self.liveness_rule, time.time()
+        reports = liveness.add_report(self._unreachable.get(req.worker_id, ()), req.worker_id,
+                                      liveness.Report(req.reporter, now), now, rule)
+        self._unreachable[req.worker_id] = reports
+        probe = await probe_data_plane(target.data_address)
+        verdict = liveness.verdict(req.worker_id, reports, probe, time.time(), rule)
+        if not verdict.dead:
+            UNREACHABLE_REPORTS.labels("alive" if probe is liveness.Probe.accepted else "pending").inc()
+            log.info("worker %s reported unreachable by %s (%s): %s", req.worker_id, req.reporter,
+                     req.reason or "connection broke", verdict.why)
+            return m.CommandAck(accepted=False, detail=verdict.why)
+        UNREACHABLE_REPORTS.labels("dead").inc()
+        dead = await self.expire_once(unreachable=req, why=verdict.why)
+        return m.CommandAck(accepted=bool(dead), detail=verdict.why if dead else "not a live worker")
 
     def _subscribe(self) -> None:
         b = self.broker
@@ -114,6 +153,11 @@ class RegistryService(Service):
         async def exited(req: m.WorkerExited) -> m.CommandAck:
             dead = await self.expire_once(req)
             return m.CommandAck(accepted=bool(dead), detail="dead" if dead else "not a live worker")
+
+        @b.subscriber(subjects.REGISTRY_WORKER_UNREACHABLE)
+        @rpc(m.WorkerUnreachable)
+        async def unreachable(req: m.WorkerUnreachable) -> m.CommandAck:
+            return await self.on_unreachable(req)
 
         @b.subscriber(subjects.EVENT_HEARTBEAT)
         @on_event(m.Heartbeat)
@@ -178,7 +222,7 @@ class RegistryService(Service):
         @b.subscriber(subjects.REGISTRY_PROFILE_PUT)
         @rpc(m.ModelProfile)
         async def put_profile(req: m.ModelProfile) -> m.ModelProfile:
-            if not MODEL_NAME.fullmatch(req.model):  # a deployment's name (DeployModel.name)
+            if not m.is_model_name(req.model):  # a deployment's name (DeployModel.name)
                 raise DomainError(f"invalid profile: model: {req.model!r} is not a model name", code="invalid")
             try:
                 profile_from_message(req)  # a profile no scheduler could use is never stored
@@ -274,3 +318,23 @@ class RegistryService(Service):
                 if ev.instance.loaded_at:
                     await self.store.add_scale_op_timing(ev.instance.scale_op_id,
                                                          f"loaded:{ev.instance.instance_id}", ev.instance.loaded_at)
+
+
+async def probe_data_plane(data_address: str, timeout_s: float = PROBE_TIMEOUT_S) -> liveness.Probe:
+    """Connect to a worker's registered data-plane address and hang up (its transport reads an
+    empty hello and drops the connection): what liveness.verdict needs to know."""
+    target = liveness.probe_target(data_address)
+    if target is None:
+        return liveness.Probe.untestable
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*target), timeout_s)
+    except ConnectionRefusedError:
+        return liveness.Probe.refused
+    except (OSError, TimeoutError):
+        return liveness.Probe.silent  # no answer, host or network unreachable, name not resolved
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+    return liveness.Probe.accepted

@@ -120,8 +120,7 @@ class LivePairs:
 
         front = await asyncio.to_thread(build)
         server = self.pipelines.stage_server()
-        server.peers[op.source_worker] = op.peers[op.source_worker]
-        server.add(front_id(iid), front)
+        server.add(front_id(iid), front, caller=op.source_worker, address=op.peers[op.source_worker])
         self.fronts[iid] = front
         log.info("live pair: %s lends its first blocks (up to %d) to %s", iid, front.max_blocks, op.source_instance)
 

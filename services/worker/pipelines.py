@@ -107,8 +107,8 @@ class PipelineStages:
         local = await asyncio.to_thread(build_local)
         if index > 0:
             server = self._server()
-            server.peers[op.stages[0].worker_id] = op.peers[op.stages[0].worker_id]
-            server.add(stage_id(op.instance_id, index), local)
+            entry = op.stages[0].worker_id
+            server.add(stage_id(op.instance_id, index), local, caller=entry, address=op.peers[entry])
             self.hosted[op.instance_id] = [stage_id(op.instance_id, index)]
             log.info("pipeline %s: stage %d (blocks [%d, %d)) served here", op.instance_id, index,
                      stage.block_start, stage.block_end)

@@ -60,6 +60,10 @@ LOAD_BANDWIDTH = Gauge("layercast_worker_load_bandwidth_bytes_per_second", "Meas
 BANDWIDTH_EWMA_ALPHA = 0.3  # weight of the newest load in the per-link moving average
 WORKER_THREADS = 64  # threads for the worker's blocking waits (see start())
 RUNNING = Gauge("layercast_worker_running_requests", "Requests running on this worker")
+UNREACHABLE_REPORTS = Counter("layercast_worker_unreachable_reports_total",
+                              "Data-plane peers this worker reported unreachable to the registry, by its answer "
+                              "(dead: it agreed; refuted: it found them alive or not yet dead)", ["answer"])
+PEER_REPORT_INTERVAL_S = 1.0  # one report per peer at most this often (a dead peer breaks many connections)
 
 
 def advertised_data_host(c: "WorkerConfig") -> str:
@@ -264,6 +268,18 @@ class _Request:
     admitted: Admitted | None = None  # sharing=mesh: its SLO clock, for shadow validation
     submitted: bool = False  # handed to the engine (sharing=mesh: its KV may be there, a resize copies it)
     attempt: int = 0  # GenerateRequest.attempt
+    # Its id in the engine (run_id): one per attempt, so the output of a step of an attempt the
+    # request left (handed over back to this instance) is told from the new attempt's.
+    run: str = ""
+
+
+def run_id(request_id: str, attempt: int) -> str:
+    return f"{request_id}@{attempt}"
+
+
+def split_run_id(run: str) -> tuple[str, int | None]:
+    request_id, sep, attempt = run.rpartition("@")
+    return (request_id, int(attempt)) if sep and attempt.isdigit() else (run, None)
 
 
 class CancelledAttempts:
@@ -315,6 +331,7 @@ class WorkerService(Service):
         self._plan_parts = None  # the JetStream subscription for scale-operation parts
         self._tokens_since = 0
         self._busy_refusals = 0  # since the last WorkerMetrics
+        self._peer_reported: dict[str, float] = {}  # peer -> when this worker last reported it unreachable
         self.events = BusEvents(self.broker, config.worker_id, self.bandwidths_gbps)
         # Chosen once: the worker calls its strategy and never asks which one it is.
         self.sharing = make_sharing(config, WorkerPorts(
@@ -397,6 +414,7 @@ class WorkerService(Service):
         self.runtime.start()
         self.loading.runtime = self.runtime
         self.transport = self._make_transport(asyncio.get_running_loop())
+        self.transport.on_peer_lost = self._peer_lost_threadsafe(asyncio.get_running_loop())
         self.transfers = TransferAgent(self.broker, self.transport, self.config.worker_id, _HostTierBlocks(
             self.cache, self.loader, self.config.device, self._incoming, self.events),
             on_received=lambda nbytes, seconds: self.events.bandwidth("network_to_host", nbytes, seconds))
@@ -475,6 +493,37 @@ class WorkerService(Service):
             worker_id=self.config.worker_id, running_requests=running, tokens_per_s=tps,
             instances=list(self.instances), busy_refusals=refusals))
 
+    def _peer_lost_threadsafe(self, loop: asyncio.AbstractEventLoop) -> Callable[[str, str], None]:
+        def lost(peer: str, why: str) -> None:  # on a transport thread
+            try:
+                loop.call_soon_threadsafe(self._peer_lost, peer, why)
+            except RuntimeError:
+                pass  # the loop is closed: this worker is shutting down
+        return lost
+
+    def _peer_lost(self, peer: str, why: str) -> None:
+        """The data plane lost `peer` (a connection broke, a send failed): tell the registry,
+        which checks and, if it is dead, stops it now rather than at its heartbeats' expiry."""
+        now = time.monotonic()
+        if now - self._peer_reported.get(peer, -PEER_REPORT_INTERVAL_S) < PEER_REPORT_INTERVAL_S:
+            return
+        self._peer_reported[peer] = now
+        try:
+            report = m.WorkerUnreachable(worker_id=peer, reporter=self.config.worker_id, reason=why[:500])
+        except ValueError:
+            return  # not a worker id (a bare data-plane node of a benchmark): no registry knows it
+        self.spawn(self._report_unreachable(report))
+
+    async def _report_unreachable(self, report: m.WorkerUnreachable) -> None:
+        try:
+            ack = await call(self.broker, subjects.REGISTRY_WORKER_UNREACHABLE, report, m.CommandAck, timeout=5.0)
+        except (TimeoutError, RemoteError) as e:
+            log.warning("could not report %s unreachable to the registry: %s", report.worker_id, e)
+            return
+        UNREACHABLE_REPORTS.labels("dead" if ack.accepted else "refuted").inc()
+        log.warning("reported %s unreachable (%s): the registry says %s", report.worker_id, report.reason,
+                    ack.detail)
+
     def _busy(self, why: str) -> DomainError:
         """A "busy" answer (sharing=mesh: no room within the SLOs or memory now), counted for the
         next WorkerMetrics: the planner puts no new instance on a worker that refuses."""
@@ -520,20 +569,25 @@ class WorkerService(Service):
         asyncio.ensure_future(self._publish_outputs(batch))
 
     async def _publish_outputs(self, batch: list[tuple[str, str, TokenOutput | None, str | None]]) -> None:
-        for instance_id, request_id, out, error in batch:
+        for instance_id, run, out, error in batch:
+            request_id, _ = split_run_id(run)
             req = self.requests.get(request_id)
-            if req is None or req.instance_id != instance_id:
-                continue  # ended, or handed over to another instance here (what the old one sent is stale)
+            if req is None or req.instance_id != instance_id or req.run != run:
+                # Ended, or handed over to another instance here or to another attempt on this one:
+                # what the run it left computed is stale (it would take the new attempt's place).
+                continue
             if error is not None:  # the whole request (every choice) failed
                 choice = min(req.next_index)
                 ev = m.TokenEvent(request_id=request_id, index=req.next_index[choice], finished=True,
-                                  finish_reason="error", error=error, instance_id=instance_id, choice=choice)
+                                  finish_reason="error", error=error, instance_id=instance_id, choice=choice,
+                                  attempt=req.attempt)
                 req.next_index.clear()
             else:
                 ev = m.TokenEvent(request_id=request_id, index=req.next_index[out.choice], token_id=out.token_id,
                                   finished=out.finished, finish_reason=out.finish_reason,
                                   prompt_tokens=out.prompt_tokens, instance_id=instance_id,
-                                  logprob=out.logprob, top_logprobs=list(out.top_logprobs), choice=out.choice)
+                                  logprob=out.logprob, top_logprobs=list(out.top_logprobs), choice=out.choice,
+                                  attempt=req.attempt)
                 self._tokens_since += 1
                 req.sent += 1
                 TOKENS.labels(req.model, req.mode).inc()
@@ -564,11 +618,11 @@ class WorkerService(Service):
                 continue  # (one not submitted yet waits for its KV: it goes on as admitted)
             del self.requests[request_id]
             self.loading.request_ended(instance_id, request_id)
-            self.runtime.cancel(instance_id, request_id)
+            self.runtime.cancel(instance_id, req.run)
             choice = min(req.next_index)
             ev = m.TokenEvent(request_id=request_id, index=req.next_index[choice], finished=True,
                               finish_reason="error", error=why, preempted=True, instance_id=instance_id,
-                              choice=choice)
+                              choice=choice, attempt=req.attempt)
             req.span.add_event("preempted", {"layercast.by": by})
             req.span.end()
             PREEMPTIONS.labels(req.model).inc()
@@ -718,14 +772,14 @@ class WorkerService(Service):
                 old.span.end()  # handed over from another instance here: that run is over
                 if old.instance_id != req.instance_id:  # (on the same one: it was admitted again above)
                     self.loading.request_ended(old.instance_id, req.request_id)
-                elif old.submitted:
-                    # Handed over to the instance it runs on (its tokens were lost on the way, a
-                    # NATS restart): the engine drops the old run before it takes this one (the
-                    # engine thread reads its inbox in order), whenever the gateway's cancel comes.
-                    self.runtime.cancel(req.instance_id, req.request_id)
+                if old.submitted:
+                    # Handed over here, to another instance or to the one it runs on (its tokens
+                    # were lost on the way, a NATS restart): the old run stops now, whenever the
+                    # gateway's cancel comes; what it computed meanwhile is dropped by its run id.
+                    self.runtime.cancel(old.instance_id, old.run)
             registered = _Request(req.instance_id, req.model, inst.info.mode, req.reply_subject, span,
                                   next_index={c: len(ids) for c, ids in choices.items()}, admitted=admitted,
-                                  attempt=req.attempt)
+                                  attempt=req.attempt, run=run_id(req.request_id, req.attempt))
             self.requests[req.request_id] = registered
             try:
                 fitted = await self.sharing.fit_kv(inst)
@@ -744,7 +798,7 @@ class WorkerService(Service):
                 span.end()
                 raise DomainError(f"request {req.request_id} was cancelled", code="conflict")
             registered.submitted = True
-            self.runtime.submit(req.instance_id, req.request_id, req.prompt_ids, s, req.generated_ids,
+            self.runtime.submit(req.instance_id, registered.run, req.prompt_ids, s, req.generated_ids,
                                 req.choices or None,
                                 None if admitted is None else (admitted.start, admitted.slo.ttft_s, admitted.slo.tpot_s))
             return m.GenerateAccepted(request_id=req.request_id, queued=self.runtime.running(req.instance_id))
@@ -770,13 +824,13 @@ class WorkerService(Service):
                 self.cancelled_attempts.add(ev.request_id, ev.attempt, time.monotonic())
                 return
             if ev.instance_id is not None and req is not None and req.instance_id != ev.instance_id:
-                # A hand-over within this worker: the request runs on another instance now.
-                self.runtime.cancel(ev.instance_id, ev.request_id)
+                # A hand-over within this worker: the request runs on another instance now (its
+                # run there was stopped when the new attempt came).
                 return
             req = self.requests.pop(ev.request_id, None)
             if req is not None:
                 self.loading.request_ended(req.instance_id, ev.request_id)
-                self.runtime.cancel(req.instance_id, ev.request_id)
+                self.runtime.cancel(req.instance_id, req.run)
                 req.span.set_attribute("layercast.cancelled", True)
                 req.span.end()
                 self.spawn(self.sharing.request_ended(req.instance_id))

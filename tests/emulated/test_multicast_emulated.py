@@ -32,6 +32,21 @@ def test_every_algorithm_on_capped_links_respects_physics_and_its_schedule():
     assert by[("binomial", 2)]["first_copy_s"] < by[("binomial", 2)]["completion_s"]
 
 
+def test_chains_on_a_leaf_spine_fabric_are_bounded_by_its_shared_uplinks():
+    """2 leaves x 4 nodes, uplinks of 1.5 links: chain-blind crosses the spine, chain does not.
+    No run beats its fabric bound (the uplinks' even share), and the benchmark reports how
+    close chain/chain-blind came to the best ratio the fabric allows."""
+    r = run_multicast_benchmark(nodes=8, size_mb=16, blocks=8, link_mbit=200, algorithms=("chain", "chain-blind"),
+                                ks=(2,), leaves=2, uplink_mbit=300)
+    by = {e["algorithm"]: e for e in r["results"]}
+    assert by["chain-blind"]["fabric_bound_s"] > 1.3 * by["chain"]["fabric_bound_s"]
+    for e in r["results"]:
+        assert e["completion_s"] >= 0.95 * e["fabric_bound_s"], e
+    ratios = r["chain_vs_blind"]["k=2"]
+    assert ratios["at_fabric_bounds"] == round(by["chain"]["fabric_bound_s"] / by["chain-blind"]["fabric_bound_s"], 4)
+    assert ratios["measured"] == round(by["chain"]["completion_s"] / by["chain-blind"]["completion_s"], 4)
+
+
 def test_dev_cluster_with_workers_in_namespaces_serves(tmp_path, postgres_server_url, tiny_checkpoint):
     """`layercast up --emulate`: workers reach NATS over the bridge and serve through the gateway."""
     with EmulatedCluster(2, link_mbit=500) as emulation, running_cluster(

@@ -1,6 +1,6 @@
 """Execution pipelines on the emulated cluster: workers in network namespaces, every link
-capped by tc (the data plane's own pacing is off), the scenarios of the in-process test
-(tests/pipeline_scenarios.py): a pipeline forms before any receiver holds the model, serves,
+capped by tc (the blocks paced slower in process: see the fixture), the scenarios of the
+in-process test (tests/pipeline_scenarios.py): a pipeline forms before any receiver holds the model, serves,
 switches to local instances and retires; a stage worker killed mid-request loses no request.
 
 Root only (skipped with the reason elsewhere); CI runs as root.
@@ -22,37 +22,29 @@ def four_blocks(tmp_path_factory):
     return scenario.four_blocks(tmp_path_factory)
 
 
-def _cluster(tmp_path_factory, postgres_server_url, checkpoint, link_mbit: float, extra_env: dict | None = None):
-    emulation = EmulatedCluster(scenario.WORKERS, link_mbit=link_mbit).start()
+@pytest.fixture
+def cluster(tmp_path_factory, postgres_server_url, four_blocks):
+    # Heartbeats share the capped links with the multicast: at a fraction of a Mbit/s a busy
+    # source misses its 3 s heartbeat deadline and is taken for dead (its instances with it),
+    # and a pipeline's activations wait behind blocks in tbf's queue (78 KB at 2 Mbit/s: up to
+    # 0.3 s a hop). So the links run at 16 Mbit/s and the data plane alone is paced slower, in
+    # process (scenario.CLUSTER_ENV), to keep the pipeline serving for seconds before the
+    # receivers complete.
+    emulation = EmulatedCluster(scenario.WORKERS, link_mbit=16).start()
     try:
         with running_cluster(
-                postgres_server_url, checkpoint, scenario.DEPLOY, emulation=emulation,
+                postgres_server_url, four_blocks, scenario.DEPLOY, emulation=emulation,
                 state_dir=tmp_path_factory.mktemp("cluster"), api_key=scenario.API_KEY,
                 admin_key=scenario.ADMIN_KEY, workers=scenario.WORKERS, namespace=subjects.PREFIX, heartbeat_ttl_s=3.0,
-                extra_env={"LAYERCAST_SCALE_DOWN_DELAY": "600", **(extra_env or {})}) as state:
+                extra_env=scenario.CLUSTER_ENV) as state:
             yield state
     finally:
         emulation.close()
-
-
-@pytest.fixture
-def cluster(tmp_path_factory, postgres_server_url, four_blocks):
-    yield from _cluster(tmp_path_factory, postgres_server_url, four_blocks, 2)
-
-
-@pytest.fixture
-def slow_cluster(tmp_path_factory, postgres_server_url, four_blocks):
-    # Heartbeats share the capped links with the multicast: at a fraction of a Mbit/s a busy
-    # source misses its 3 s heartbeat deadline and is taken for dead (its instances with it).
-    # So the links run at 16 Mbit/s and the data plane alone is paced slower, in process, to
-    # keep the pipeline serving for seconds before the receivers complete.
-    yield from _cluster(tmp_path_factory, postgres_server_url, four_blocks, 16,
-                        {"LAYERCAST_EMULATED_LINK_MBIT": "0.7"})
 
 
 def test_a_pipeline_forms_serves_and_switches_over_capped_links(cluster):
     scenario.serves_before_any_receiver_holds_the_model_then_switches(cluster, cluster.nats_url)
 
 
-def test_a_stage_worker_killed_mid_request_loses_no_request_over_capped_links(slow_cluster):
-    scenario.stage_worker_killed_mid_request_loses_no_accepted_request(slow_cluster, slow_cluster.nats_url)
+def test_a_stage_worker_killed_mid_request_loses_no_request_over_capped_links(cluster):
+    scenario.stage_worker_killed_mid_request_loses_no_accepted_request(cluster, cluster.nats_url)

@@ -4,10 +4,11 @@ Every request is recorded (when it was sent and ended, how it ended), so each fa
 come from the records of its window."""
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -19,10 +20,19 @@ class Sent:
     end: float | None = None
     outcome: str = ""  # "ok" | "http <status> <code>" | "transport <error>" | "cut" (a stream that began and broke)
     chunks: int = 0
+    # A stream's: the instance the gateway sent it to (its x-layercast-instance header), the
+    # tokens received so far (a chunk each, the role chunk aside), set at its first token.
+    instance: str | None = None
+    tokens: int = 0
+    generating: threading.Event = field(default_factory=threading.Event)
 
     @property
     def ok(self) -> bool:
         return self.outcome == "ok"
+
+    @property
+    def ended(self) -> bool:
+        return self.end is not None
 
 
 class Load:
@@ -48,6 +58,11 @@ class Load:
         self._stop.set()
         for t in self._threads:
             t.join(90)
+
+    def streams(self) -> list[Sent]:
+        """The streamed requests' records so far, in the order they were sent."""
+        with self._lock:
+            return [r for r in self.records if r.stream]
 
     def body(self, stream: bool) -> dict:
         return {"model": self.model, "messages": [{"role": "user", "content": "Tell me about faults."}],
@@ -80,6 +95,7 @@ class Load:
             if r.status_code != 200:
                 r.read()
                 return _http_error(r)
+            rec.instance = r.headers.get("x-layercast-instance")
             finish = None
             for line in r.iter_lines():
                 if not line.startswith("data: "):
@@ -91,6 +107,9 @@ class Load:
                 if "error" in chunk:
                     return f"stream error {chunk['error'].get('code')}"
                 rec.chunks += 1
+                if "role" not in chunk["choices"][0]["delta"]:  # the gateway sends a chunk per token after it
+                    rec.tokens += 1
+                    rec.generating.set()
                 finish = chunk["choices"][0].get("finish_reason") or finish
             return "cut"
 
@@ -140,9 +159,10 @@ def _http_error(r: httpx.Response) -> str:
 
 
 def measure(load: Load, name: str, kill: Callable[[], None], before_s: float = 1.0, after_s: float = 0.5,
-            recovery_timeout_s: float = 30.0) -> dict:
+            recovery_timeout_s: float = 30.0, at_first_success: Callable[[], dict] | None = None) -> dict:
     """Run the load `before_s`, `kill()`, wait for a request sent after the kill to succeed, run
-    `after_s` more; the figures of that window (every request sent in it, once ended)."""
+    `after_s` more; the figures of that window (every request sent in it, once ended), and those
+    `at_first_success()` returns when that success is seen."""
     start = time.monotonic()
     time.sleep(before_s)
     killed_at = time.monotonic()
@@ -152,6 +172,7 @@ def measure(load: Load, name: str, kill: Callable[[], None], before_s: float = 1
         if time.monotonic() > deadline:
             raise AssertionError(f"no request succeeded within {recovery_timeout_s}s of killing {name}")
         time.sleep(0.05)
+    extra = at_first_success() if at_first_success is not None else {}
     time.sleep(after_s)
     end = time.monotonic()
     sent = load.window(start, end)
@@ -165,6 +186,7 @@ def measure(load: Load, name: str, kill: Callable[[], None], before_s: float = 1
         "first_success_s": round(first, 3),
         "unlisted": load.unlisted(start, end),
         "errors": sorted({o for o in outcomes if o != "ok"}),
+        **extra,
     }
 
 
@@ -182,7 +204,12 @@ def report_figures(config, figures: list[dict], prefix: str = "fault ") -> None:
     for line in figures:
         text = prefix + json.dumps(line)
         print(text)
-        if reporter is not None and capture is not None:
-            with capture.global_and_fixture_disabled():  # past the capture of the test's output
+        if capture is None:
+            continue
+        with capture.global_and_fixture_disabled():  # past the capture of the test's output
+            if hasattr(config, "workerinput"):
+                # A pytest-xdist worker (`make test`): its terminal is not CI's log, its stderr is.
+                os.write(2, (text + "\n").encode())
+            elif reporter is not None:
                 reporter.ensure_newline()
                 reporter.write_line(text)

@@ -92,10 +92,11 @@ def metric(cluster, process: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
-def inject(cluster, name: str, kill, instances: int = 1) -> dict:
+def inject(cluster, name: str, kill, instances: int = 1, at_first_success=None) -> dict:
     wait_for(lambda: settled(cluster, instances), 90,
              f"the cluster to be settled (every process healthy, {instances}+ instances ready)")
-    figures = measure(cluster.load, name, kill, recovery_timeout_s=90)  # the figure even when late
+    figures = measure(cluster.load, name, kill, recovery_timeout_s=90,  # the figure even when late
+                      at_first_success=at_first_success)
     FIGURES.append(figures)
     report_figures(cluster.config, [figures])
     return figures
@@ -129,15 +130,20 @@ def test_a_nats_restart_hands_streams_over_at_once_and_loses_no_request(cluster)
 
 
 def test_a_gateway_killed_loses_only_its_own_connections(cluster):
-    figures = inject(cluster, "gateway", kill_and_await_restart(cluster, "gateway"))
+    def cpu_spent() -> dict:  # by the restarted gateway until its first success: what a loaded machine slows
+        times = psutil.Process(find_process(cluster, "gateway").pid).cpu_times()
+        return {"restart_cpu_s": round(times.user + times.system, 2)}
+    figures = inject(cluster, "gateway", kill_and_await_restart(cluster, "gateway"), at_first_success=cpu_spent)
     # Connections to the dead gateway fail (a client retries those); a restarted gateway that has
     # not read the registry yet answers 503 + Retry-After, never 404 or another error.
     assert all(e.startswith(("transport", "http 503 gateway_starting retry-after", "cut"))
                for e in figures["errors"]), figures
-    # The issue's bound is 10 s: 9.1 s measured on a 2-core machine, nearly all of it the new process
-    # importing torch/transformers and reading the tokenizer; 15 s leaves a slow CI machine a margin
-    # (the figure is printed with the others).
-    assert figures["first_success_s"] <= 15.0, figures
+    # A restart is import-bound: its CPU time, which no load changes much, was 8.2-9.4 s while the
+    # gateway imported torch (transformers does, when it finds it) and scipy, 3.4 s without
+    # (tests/unit/gateway/test_gateway_imports.py). The wall-clock bound is the issue's: 9.1 s
+    # before on this 2-core machine alone; a machine loaded 6x over (load average 12) took 15 s.
+    assert figures["restart_cpu_s"] <= 6.0, figures
+    assert figures["first_success_s"] <= 10.0, figures
     assert figures["unlisted"] == 0, figures
 
 
@@ -159,11 +165,15 @@ def test_postgres_killed_loses_no_request(cluster, own_postgres):
 
 def test_a_serving_worker_killed_moves_its_requests_when_its_exit_is_seen(cluster):
     since = time.monotonic()
-    exits = metric(cluster, "registry", "layercast_registry_worker_exits_total")
+    deaths = ("layercast_registry_worker_exits_total", "layercast_registry_worker_unreachable_deaths_total")
+    before = [metric(cluster, "registry", name) for name in deaths]
     figures = inject(cluster, "worker-1", kill_and_await_restart(cluster, "worker-1"), instances=2)
     # Declared dead because the supervisor saw it exit (told the registry at once), not after
-    # its heartbeats' TTL (10 s here, twice the 5 s the first success must come within).
+    # its heartbeats' TTL (10 s here, twice the 5 s the first success must come within). A
+    # worker-2 that held a data-plane connection to it may have reported it first (issue 40's
+    # other early path): then the supervisor's word finds it dead already.
     told = [e.detail for e in cluster.supervisor.events if e.kind == "told_registry" and e.at >= since]
-    assert told == ["dead"], told
-    assert metric(cluster, "registry", "layercast_registry_worker_exits_total") == exits + 1
+    after = [metric(cluster, "registry", name) for name in deaths]
+    assert told in (["dead"], ["already dead"]), told
+    assert sum(after) == sum(before) + 1 and (after[0] == before[0] + 1) == (told == ["dead"]), (before, after)
     assert_nothing_lost(figures, 5.0)

@@ -20,12 +20,12 @@ pytestmark = pytest.mark.slow
 
 API_KEY, ADMIN_KEY = "sk-test-api", "sk-test-admin"
 MAX_TOKENS = 24
+# Three prompts (a fact, a list, a poem): each answer 24 greedy tokens compared word for word; more
+# prompts cost CI a minute and check nothing these do not.
 PROMPTS = [
     "What is the capital of France?",
     "Name three primary colors.",
-    "How many legs does a spider have?",
     "Write a haiku about the sea.",
-    "What is 12 times 12?",
 ]
 
 
@@ -48,6 +48,7 @@ def test_the_demo_model_answers_as_transformers_generate_does(cluster, demo_mode
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = reference_model(hf_dir)
     client = openai.OpenAI(base_url=f"{cluster.gateway_url}/v1", api_key=API_KEY, timeout=120)
+    answers = []
     for prompt in PROMPTS:
         messages = [{"role": "user", "content": prompt}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
@@ -58,9 +59,9 @@ def test_the_demo_model_answers_as_transformers_generate_does(cluster, demo_mode
         answer = client.chat.completions.create(model="demo", messages=messages, max_tokens=MAX_TOKENS,
                                                 temperature=0)
         assert answer.choices[0].message.content == expected, prompt
+        answers.append(answer)
     # A real model, not fluent nonsense (the check that the import dequantized the right weights).
-    paris = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": PROMPTS[0]}],
-                                           max_tokens=MAX_TOKENS, temperature=0)
+    paris = answers[0]
     assert "Paris" in paris.choices[0].message.content
     assert paris.choices[0].finish_reason == "stop"  # <|im_end|>, the end of the chat turn
 

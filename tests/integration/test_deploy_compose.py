@@ -16,7 +16,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
-COMPOSE_FILES = [COMPOSE] + [p for p in [ROOT / "docker-compose.gpu.yml"] if p.exists()]
+TLS_OVERRIDE = ROOT / "docker-compose.tls.yml"  # NATS over TLS, opt-in
+COMPOSE_FILES = [COMPOSE, TLS_OVERRIDE] + [p for p in [ROOT / "docker-compose.gpu.yml"] if p.exists()]
 ENTRYPOINT = ROOT / "deploy" / "docker-entrypoint.sh"
 LAYERCAST_SERVICES = {"gateway", "registry", "planner", "load-monitor", "worker"}
 # Long-running services that cannot have a healthcheck, and why.
@@ -152,6 +153,83 @@ def test_nats_conf_admits_the_services_with_the_dev_passwords_and_nobody_else(se
             await nc.close()
             with pytest.raises(Exception, match="Authorization Violation"):
                 await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0)
+
+        asyncio.run(check())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _default(value: str) -> str:
+    """`${VAR:-default}...` with the variable's default substituted (what compose does without .env)."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+
+
+def _mounts(service: dict) -> dict[str, str]:
+    """target -> source of a service's bind mounts, defaults substituted."""
+    mounts = [_default(v).split(":") for v in service.get("volumes", [])]
+    return {m[1]: m[0] for m in mounts}
+
+
+def _flag(command: list[str], name: str) -> str:
+    [value] = [c.split("=", 1)[1] for c in command if c.startswith(f"{name}=")]
+    return value
+
+
+def test_the_tls_override_gives_nats_its_certificate_and_every_service_the_ca_only(services):
+    tls = yaml.safe_load(TLS_OVERRIDE.read_text())["services"]
+    nats = tls["nats"]
+    # A command is replaced, not merged: the override's is the base one plus the TLS flags.
+    assert nats["command"][:len(services["nats"]["command"])] == services["nats"]["command"]
+    assert nats["command"][len(services["nats"]["command"]):][0] == "--tls"
+    served = _mounts(nats)
+    cert, key = served[_flag(nats["command"], "--tlscert")], served[_flag(nats["command"], "--tlskey")]
+    directory = cert.rsplit("/", 1)[0]  # ./deploy/nats/tls by default
+    assert (cert, key) == (f"{directory}/server.crt", f"{directory}/server.key")
+    clients = {name for name, s in services.items() if "LAYERCAST_NATS_USER" in s.get("environment", {})}
+    assert clients == LAYERCAST_SERVICES and set(tls) == clients | {"nats"}
+    for name in clients:
+        env, mounts = tls[name]["environment"], _mounts(tls[name])
+        assert mounts == {env["LAYERCAST_NATS_TLS_CA"]: f"{directory}/ca.crt"}, name  # the CA, never the key
+        assert "NATS_URL" not in env  # nats://nats:4222 as in the base: the client upgrades when asked
+
+
+def test_the_tls_override_on_a_real_nats_server_admits_a_service_with_the_ca_only_over_tls(services, tmp_path):
+    """deploy/nats/nats.conf with the override's flags, its files in NATS_TLS_DIR: a service that
+    has the CA (LAYERCAST_NATS_TLS_CA, as the override sets it) connects; a plain client does not."""
+    import asyncio
+
+    import nats
+
+    from tls_certificates import make_certificates
+    from libs.bus.auth import tls_context
+    from libs.cluster.launcher import free_port, nats_server_binary, wait_port
+
+    ca, cert, key = make_certificates(tmp_path)
+    for src, name in ((ca, "ca.crt"), (cert, "server.crt"), (key, "server.key")):
+        (tmp_path / name).write_bytes(Path(src).read_bytes())
+    tls = yaml.safe_load(TLS_OVERRIDE.read_text())["services"]
+    in_container = {target: source.replace("./deploy/nats/tls", str(tmp_path))
+                    for target, source in _mounts(tls["nats"]).items()}
+    flags = [f"{c.split('=', 1)[0]}={in_container[c.split('=', 1)[1]]}" if c.startswith("--tls") and "=" in c else c
+             for c in tls["nats"]["command"] if c.startswith("--tls")]
+    env = {var: _default(value) for var, value in services["nats"]["environment"].items()}
+    port = free_port()
+    proc = subprocess.Popen([nats_server_binary(), "-c", str(ROOT / "deploy/nats/nats.conf"), "-a", "127.0.0.1",
+                             "-p", str(port), *flags], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_port("127.0.0.1", port, 15)
+        url, password = f"nats://127.0.0.1:{port}", env["NATS_PASSWORD_GATEWAY"]
+        ca_path = _mounts(tls["gateway"])[tls["gateway"]["environment"]["LAYERCAST_NATS_TLS_CA"]]
+        context = tls_context({"LAYERCAST_NATS_TLS_CA": ca_path.replace("./deploy/nats/tls", str(tmp_path))})
+
+        async def check():
+            nc = await nats.connect(url, user="gateway", password=password, tls=context, allow_reconnect=False)
+            assert nc.connected_url is not None and nc._transport._io_writer.get_extra_info("ssl_object")  # noqa: SLF001
+            await nc.close()
+            with pytest.raises(Exception):  # without the CA: the certificate does not verify, no plain text either
+                await nats.connect(url, user="gateway", password=password, allow_reconnect=False,
+                                   max_reconnect_attempts=0, connect_timeout=2)
 
         asyncio.run(check())
     finally:

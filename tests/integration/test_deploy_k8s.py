@@ -16,10 +16,13 @@ from libs.planning.sharing import sharing_setting
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-OVERLAYS = ["dev", "prod", "prod-managed"]
+OVERLAYS = ["dev", "prod", "prod-managed", "prod-tls"]
 CONTROL = ["gateway", "registry", "planner", "load-monitor"]
 # Created by the operator in prod (the command is in k8s/README.md), generated in dev.
 OPERATOR_SECRET = "layercast-secrets"
+# NATS over TLS (components/nats-tls): the server's certificate, its key and the CA; by the operator.
+TLS_SECRET = "layercast-nats-tls"
+OPERATOR_SECRETS = {OPERATOR_SECRET, TLS_SECRET}
 
 
 def tool(name: str) -> str:
@@ -170,7 +173,8 @@ def references(objs: list[dict]) -> set[tuple[str, str, str | None]]:
             if "configMap" in v:
                 refs.add(("ConfigMap", v["configMap"]["name"], None))
             if "secret" in v:
-                refs.add(("Secret", v["secret"]["secretName"], None))
+                items = v["secret"].get("items") or [{"key": None}]
+                refs |= {("Secret", v["secret"]["secretName"], item["key"]) for item in items}
             if "persistentVolumeClaim" in v:
                 refs.add(("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"], None))
         for c in containers(w):
@@ -195,10 +199,11 @@ def test_every_reference_is_rendered_or_the_documented_operator_secret(overlay):
     assert ("Secret", OPERATOR_SECRET, "NATS_URL") in refs
     for kind, name, key in refs:
         obj = rendered.get((kind, name))
-        if obj is None and overlay != "dev" and (kind, name) == ("Secret", OPERATOR_SECRET):
+        if obj is None and overlay != "dev" and kind == "Secret" and name in OPERATOR_SECRETS:
             # Operator-provided: the README's `kubectl create secret` must set the key.
-            assert f"kubectl create secret generic {OPERATOR_SECRET}" in readme
-            assert key is None or f"--from-literal={key}=" in readme, f"k8s/README.md does not set {key}"
+            assert f"kubectl create secret generic {name}" in readme
+            assert key is None or f"--from-literal={key}=" in readme or f"--from-file={key}=" in readme, \
+                f"k8s/README.md does not set {key} of {name}"
             continue
         assert obj is not None, f"{overlay}: {kind}/{name} is referenced but not rendered"
         if key is not None:
@@ -241,3 +246,44 @@ def test_nats_requires_a_user_per_service_with_its_secret_password():
     nats_url, db_url = urlsplit(secret["NATS_URL"]), urlsplit(secret["DATABASE_URL"])
     assert (nats_url.username, nats_url.password, nats_url.hostname) == (None, None, "nats")
     assert (db_url.password, db_url.hostname) == (secret["POSTGRES_PASSWORD"], "postgres")
+
+def _secret_volumes(pod: dict, secret: str) -> dict[str, list[str]]:
+    """The pod's volumes of `secret`: volume name -> the keys it holds."""
+    return {v["name"]: [i["key"] for i in v["secret"].get("items", [])] for v in pod.get("volumes", [])
+            if v.get("secret", {}).get("secretName") == secret}
+
+
+def _mounted(container: dict, volumes: dict[str, list[str]]) -> dict[str, str]:
+    """key -> the path it has in `container`, for the keys of `volumes` it mounts."""
+    return {key: f"{m['mountPath']}/{key}" for m in container.get("volumeMounts", []) if m["name"] in volumes
+            for key in volumes[m["name"]]}
+
+
+def _flag(args: list[str], name: str) -> str:
+    [value] = [a.split("=", 1)[1] for a in args if a.startswith(f"{name}=")]
+    return value
+
+
+@pytest.mark.parametrize("overlay", ["prod-tls", "prod"])
+def test_nats_tls_where_configured_server_and_every_service_agree(overlay):
+    """With components/nats-tls the server requires TLS with the Secret's certificate and key, and
+    every layercast service trusts the Secret's CA (and holds nothing else of it); without, none does."""
+    objs = objects(overlay)
+    nats = find(objs, "StatefulSet", "nats")["spec"]["template"]["spec"]
+    args = nats["containers"][0]["command"] + nats["containers"][0].get("args", [])
+    services = [(w, c) for w in workloads(objs) for c in containers(w) if ours(c)]
+    assert {w["metadata"]["name"] for w, _ in services} == {*CONTROL, "worker"}
+    if overlay == "prod":
+        assert "--tls" not in args and "LAYERCAST_NATS_TLS_CA" not in config(objs)
+        assert not any(_secret_volumes(w["spec"]["template"]["spec"], TLS_SECRET) for w, _ in services)
+        return
+    assert "--tls" in args
+    server = _mounted(nats["containers"][0], _secret_volumes(nats, TLS_SECRET))
+    assert (_flag(args, "--tlscert"), _flag(args, "--tlskey")) == (server["tls.crt"], server["tls.key"])
+    ca = config(objs)["LAYERCAST_NATS_TLS_CA"]
+    for w, c in services:
+        held = _mounted(c, _secret_volumes(w["spec"]["template"]["spec"], TLS_SECRET))
+        assert held == {"ca.crt": ca}, f"{w['metadata']['name']}: {held}"  # the CA at that path, never the key
+    # The probes stay on the monitoring port (plain HTTP), not the TLS client port.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert nats["containers"][0][probe]["httpGet"]["port"] == "monitor"

@@ -167,10 +167,12 @@ def stop_stage_host(host: subprocess.Popen) -> None:
         host.wait()
 
 
-@pytest.mark.parametrize("bounds", [(0, 2, 4), (0, 1, 3, 4), (0, 1, 2, 3, 4)], ids=["2-stage", "3-stage", "4-stage"])
+@pytest.mark.parametrize("bounds", [(0, 2, 4), (0, 1, 2, 3, 4)], ids=["2-stage", "4-stage"])
 def test_pipeline_across_processes_over_the_data_plane(four_blocks, expected, bounds):
     """Every stage after the first runs in its own process; activations go over the transport's
-    message channel, and the engine keeps a micro-batch per stage in flight (2D pipelining)."""
+    message channel, and the engine keeps a micro-batch per stage in flight (2D pipelining).
+    One remote stage, and three in a row (remote to remote); a 3-stage split adds nothing across
+    processes that these miss (test_local_and_pipelined_engines_equal_generate splits locally)."""
     index = CheckpointIndex.load(four_blocks)
     blocks = {b: load_block(four_blocks, index, b) for b in range(bounds[1])}
     ranges = list(zip(bounds[1:], bounds[2:]))

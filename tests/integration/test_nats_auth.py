@@ -11,6 +11,7 @@ import sys
 import nats
 import pytest
 
+from tls_certificates import make_certificates
 from libs.bus import auth
 from libs.bus.broker import make_broker, start_broker
 from libs.cluster.launcher import ProcessInfo, start_nats, stop_processes
@@ -120,22 +121,6 @@ def test_a_service_with_wrong_credentials_stops_with_a_clear_error(secured, monk
     assert r.returncode == 2, out
     assert "refused user 'load-monitor'" in out and "LAYERCAST_NATS_PASSWORD" in out, out
     assert "not-the-password" not in out
-
-
-def make_certificates(d) -> tuple[str, str, str]:
-    """A CA and a server certificate for 127.0.0.1 it signed (openssl): (ca, cert, key) paths."""
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d, timeout=60)
-
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1")  # quicker to make than RSA
-    openssl("req", "-x509", *ec, "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-            "-subj", "/CN=layercast-test-ca")
-    openssl("req", *ec, "-nodes", "-keyout", "server.key", "-out", "server.csr",
-            "-subj", "/CN=127.0.0.1")
-    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", "server.pem", "-days", "1", "-extfile", "san.cnf")
-    return str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key")
 
 
 def test_tls_where_configured_a_service_connects_with_the_ca_and_a_plain_client_is_refused(tmp_path, monkeypatch):

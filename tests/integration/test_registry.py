@@ -135,6 +135,64 @@ async def test_worker_expiry_fails_its_instances(database_url, nats_url, client)
         await reg.stop()
 
 
+async def test_a_worker_reported_unreachable_dies_only_when_the_registrys_own_check_agrees(
+        database_url, nats_url, client):
+    """Issue 40: a data-plane peer's report (WorkerUnreachable) stops a worker long before its
+    heartbeats expire (TTL 60 s here), but only once the registry's own connect to its data-plane
+    address is refused, or enough peers agree: one peer's false report kills no live worker."""
+    import socket
+
+    from libs.transfer.tcp.transport import TcpTransport
+
+    reg = await started(database_url, nats_url, ttl=60.0)
+    expired: list[m.WorkerExpired] = []
+    sub = await collect(client, subjects.EVENT_WORKER_EXPIRED, m.WorkerExpired, expired)
+    live = TcpTransport("live")  # a worker's data plane, listening
+    gone = socket.create_server(("127.0.0.1", 0))  # a port where nothing listens once closed
+    gone_address = "127.0.0.1:%d" % gone.getsockname()[1]
+    gone.close()
+
+    def at(worker_id: str, address: str) -> m.RegisterWorker:
+        return registration(worker_id).model_copy(update={"data_address": address})
+
+    async def report(worker_id: str, reporter: str) -> m.CommandAck:
+        return await call(client, subjects.REGISTRY_WORKER_UNREACHABLE,
+                          m.WorkerUnreachable(worker_id=worker_id, reporter=reporter, reason="test"), m.CommandAck)
+    try:
+        await call(client, subjects.REGISTRY_WORKER_REGISTER, at("alive", live.address), m.WorkerInfo)
+        await call(client, subjects.REGISTRY_WORKER_REGISTER, at("killed", gone_address), m.WorkerInfo)
+        await call(client, subjects.REGISTRY_WORKER_REGISTER, at("rdma", "rdma://rdma/mlx5_0/1"), m.WorkerInfo)
+        for peer in ("w2", "w3", "w4"):  # the reporters: live workers
+            await call(client, subjects.REGISTRY_WORKER_REGISTER, at(peer, live.address), m.WorkerInfo)
+        await call(client, subjects.REGISTRY_MODEL_DEPLOY, deployment(), m.ModelInfo)
+        await call(client, subjects.REGISTRY_INSTANCE_CREATE, m.CreateInstance(
+            instance_id="i1", model="demo", stages=[m.Stage(worker_id="killed", block_start=0, block_end=2)]),
+            m.InstanceInfo)
+
+        assert not (await report("killed", "nobody")).accepted  # a name no live worker has counts for nothing
+        for reporter in ("w2", "w3", "w4"):  # however many say so: its data plane answers
+            assert not (await report("alive", reporter)).accepted
+        ack = await report("killed", "w2")  # refused at its address: dead at once
+        assert ack.accepted and "refused" in ack.detail, ack
+        ack = await report("rdma", "w2")  # no address a connect can test: a second peer needed
+        assert not ack.accepted and "1 of 2" in ack.detail, ack
+        assert not (await report("rdma", "w2")).accepted  # the same peer again is still one
+        assert not (await report("rdma", "rdma")).accepted  # nor does a worker count for itself
+        assert (await report("rdma", "w3")).accepted
+        assert not (await report("killed", "w3")).accepted  # dead already: nothing more happens
+
+        view = await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(include_dead=True), m.ClusterView)
+        assert {w.worker_id: w.state for w in view.workers} == {
+            "alive": "alive", "killed": "dead", "rdma": "dead", "w2": "alive", "w3": "alive", "w4": "alive"}
+        assert [i.state for i in view.instances if i.instance_id == "i1"] in ([], [m.InstanceState.failed])
+        await asyncio.sleep(0.2)  # events are fire-and-forget
+        assert sorted(e.worker_id for e in expired) == ["killed", "rdma"]
+    finally:
+        await sub.stop()
+        await reg.stop()
+        live.close()
+
+
 async def answering(client) -> None:
     """Wait until the registry answers: once in CI a raw request right after its start found
     no responder, though the start flushes its subscriptions (`call` waits out that start-up
@@ -148,7 +206,7 @@ async def test_malformed_requests_get_errors_and_the_registry_keeps_serving(data
     try:
         await answering(client)
         for bad in (b"not json", {"worker_id": "w 1"}, {"worker_id": "w1", "data_address": 3}, [1, 2]):
-            reply = await client.request(bad, subjects.REGISTRY_WORKER_REGISTER, timeout=2)
+            reply = await client.request(bad, subjects.REGISTRY_WORKER_REGISTER, timeout=15)
             body = await reply.decode()
             assert body["code"] == "invalid" and "RegisterWorker" in body["error"]
         await publish(client, subjects.EVENT_HEARTBEAT, m.ModelRef(name="not a heartbeat"))
@@ -218,6 +276,39 @@ async def test_concurrent_timing_reports_on_one_scale_op_are_all_kept(kind, data
         )
         (stored,) = [o for o in await store.recent_scale_ops(10) if o.scale_op_id == "op-race"]
         assert set(stored.timings) == {"decided", "done", *events} and stored.state == "done"
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.parametrize("kind", ["postgres", "sqlite"])
+async def test_timings_that_come_before_the_operation_is_recorded_are_kept(kind, database_url, tmp_path):
+    """The planner records a scale-up in the background while its transfers start: a receiver's
+    report (or a block event) can reach the registry first, several at once, and the planner's
+    record at the same moment. Every event is kept; the operation is listed once recorded."""
+    from libs.db.session import make_engine
+    from libs.db.store import RegistryStore
+
+    url = database_url if kind == "postgres" else f"sqlite:///{tmp_path / 'r.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    try:
+        store = RegistryStore(engine)
+        early = {"transferred:w1": 5.0, "first_byte": 3.0}
+        await store.add_scale_op_timings("op-early", early)
+        assert "op-early" not in {o.scale_op_id for o in await store.recent_scale_ops(10)}  # not recorded yet
+        op = m.ScaleOpInfo(scale_op_id="op-early", model="demo", direction="up", reason="test", from_instances=1,
+                           to_instances=3, state="running", timings={"decided": 1.0})
+        racing = [f"transferred:w{i}" for i in range(2, 8)]
+        await asyncio.gather(store.record_scale_op(op),
+                             *(store.add_scale_op_timing("op-early", e, 6.0) for e in racing))
+        (stored,) = [o for o in await store.recent_scale_ops(10) if o.scale_op_id == "op-early"]
+        assert set(stored.timings) == {"decided", *early, *racing}
+        assert (stored.model, stored.state, stored.to_instances) == ("demo", "running", 3)
+        # The first writers of a new operation's row may also race each other.
+        await asyncio.gather(*(store.add_scale_op_timing("op-new", f"block:w1:{b}", 1.0) for b in range(6)),
+                             store.record_scale_op(op.model_copy(update={"scale_op_id": "op-new"})))
+        (new,) = [o for o in await store.recent_scale_ops(10) if o.scale_op_id == "op-new"]
+        assert set(new.timings) == {"decided", *(f"block:w1:{b}" for b in range(6))}
     finally:
         await engine.dispose()
 

@@ -209,6 +209,7 @@ def test_receiving_one_model_does_not_block_serving_another(cluster):
             receives=[m.TransferHop(step=0, peer="feeder", block=0)])
         slot = BlockSlot(0, data.clone())
         slot.filled = 0  # the feeder itself receives its copy slowly (as a relay would)
+        feeder.admit_messages(src, addresses[src])  # the receiver's grants (a worker's executor admits its plan's peers)
 
         async def run():
             listener = Listener(cluster.nats_url)
@@ -254,6 +255,8 @@ def test_data_plane_processes_deliver_every_algorithm(n_nodes, nats_url):
     assert got == expected
     for r in result["results"]:
         assert len(r["node_completion_s"]) == n_nodes - r["k"] and r["completion_s"] > 0
+        # One flat switch: the fabric adds no bottleneck to the schedule's own bound.
+        assert r["fabric_bound_s"] == pytest.approx(r["schedule_bound_s"], rel=1e-3)
 
 
 def test_a_request_handed_over_mid_generation_continues_exactly(cluster):

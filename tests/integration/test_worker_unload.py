@@ -214,7 +214,8 @@ async def test_a_mode_switch_lets_the_pipelines_step_in_flight_deliver_its_token
         for w in (stage, entry):  # later stages first, the entry last (as the planner sends them)
             assert (await call(client, subjects.worker_command(w.config.worker_id), start, m.CommandAck)).accepted
         slow = _SlowStage(stage.pipelines.server.stages["i-pipe/1"], seconds=1.5)
-        stage.pipelines.server.add("i-pipe/1", slow)
+        # (its caller named again, as the worker named it: replacing a stage revokes its caller's messages)
+        stage.pipelines.server.add("i-pipe/1", slow, caller="w-entry", address=entry.transport.address)
 
         # Sent as the gateway sends it (its worker client), tokens to the gateway's reply subject.
         gateway = NatsWorkerClient(client, gateway_id="gw-switch")

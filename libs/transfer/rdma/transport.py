@@ -1290,6 +1290,8 @@ class RdmaTransport(Transport):
             self._release_in(ist)  # the QPs are in the error state: nothing more can land
         # As TCP: whatever this peer still owed us will not come on this connection.
         self.fail_from(conn.peer, TransferError(f"connection to {conn.peer} lost: {conn.dead}"))
+        if not self._closed:
+            self.peer_lost(conn.peer, f"rdma connection lost: {conn.dead}")
 
     def _kick_pumps(self, conn: _Conn) -> None:
         if conn.pump_waiting:

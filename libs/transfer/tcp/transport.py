@@ -15,7 +15,12 @@
   comes from that node's address in the plan (its IP, or an IP its name resolves
   to); otherwise it is closed before a byte of it is read into a block. Every data
   frame is checked again (the op must expect that block from that node, at that
-  address), since one connection carries many operations.
+  address), since one connection carries many operations. Message connections
+  (activations, grants, aborts) likewise: admitted, and each message taken, only while
+  a transfer, pipeline or live pair here names the peer at that address
+  (`Transport.admit_messages`; `check_message_peers=False` turns it off).
+- A connection with an admitted peer that breaks, or a send to a peer that fails, is
+  told to `on_peer_lost`: the worker reports the peer, which may be dead, to the registry.
 """
 
 from __future__ import annotations
@@ -134,11 +139,14 @@ class TcpTransport(Transport):
                  advertise_host: str | None = None, connect_timeout_s: float = 10.0,
                  unknown_op_wait_s: float = 30.0, unsent_limit_bytes: int = DEFAULT_UNSENT_LIMIT,
                  congestion_control: str | None = DEFAULT_CONGESTION_CONTROL, egress_mbit: float = 0.0,
-                 check_peer_hosts: bool = True):
+                 check_peer_hosts: bool = True, check_message_peers: bool = True):
         super().__init__(node_id)
         # Whether bytes must come from the address the plan gives their sender (not just carry its name).
         self.check_peer_hosts = check_peer_hosts
-        self.refused_connections = 0  # bulk connections closed: no plan names their peer (at their address)
+        # Whether messages are taken only from peers something here names (admit_messages).
+        self.check_message_peers = check_message_peers
+        self.refused_connections = 0  # connections closed: nothing here names their peer (at their address)
+        self.dropped_messages = 0  # messages on an admitted connection from a peer no longer named
         self._resolved: dict[str, tuple[float, frozenset[str]]] = {}
         # Emulation without root (tests): block data leaves at most at this rate, paced in process.
         self._egress = make_pacer(egress_mbit)
@@ -182,6 +190,8 @@ class TcpTransport(Transport):
                 self._set_congestion_control(sock)
             _send_all(sock, [f.encode_hello(conn_class, self.node_id)])
         except OSError as e:
+            if not self._closed:
+                self.peer_lost(peer, f"connect to {address} failed: {e}")
             raise TransferError(f"{self.node_id}: cannot connect to {peer} at {address}: {e}") from e
         conn = _Conn(sock)
         with self._pool_lock:
@@ -232,6 +242,8 @@ class TcpTransport(Transport):
                 _send_all(conn.sock, buffers)
         except OSError as e:
             self._drop(address, conn_class, conn)
+            if not self._closed:
+                self.peer_lost(peer, f"send to {address} failed: {e}")
             raise TransferError(f"{self.node_id}: sending to {peer} at {address} failed: {e}") from e
 
     def _stream_block(self, peer: str, address: str, op_id: str, slot: BlockSlot, chunk_bytes: int,
@@ -299,6 +311,7 @@ class TcpTransport(Transport):
         src = "<unknown>"
         admitted = False
         conn_class = None
+        ended = "closed the connection"
         try:
             remote_ip = _normal_ip(sock.getpeername()[0])
             fixed = _recv_exact(sock, f.HELLO_FIXED)
@@ -311,6 +324,12 @@ class TcpTransport(Transport):
                 self.refused_connections += 1
                 log.warning("%s: refused a data-plane connection from %s claiming to be %s: no operation here "
                             "expects bytes from %s at that address", self.node_id, remote_ip, src, src)
+                return
+            if (conn_class == f.ConnClass.MESSAGE and self.check_message_peers
+                    and not self.message_source(src, accept, self.unknown_op_wait_s)):
+                self.refused_connections += 1
+                log.warning("%s: refused a message connection from %s claiming to be %s: no plan, pipeline or "
+                            "live pair here names %s at that address", self.node_id, remote_ip, src, src)
                 return
             admitted = True
             if conn_class == f.ConnClass.MESSAGE:
@@ -325,6 +344,7 @@ class TcpTransport(Transport):
                 else:
                     self._receive_message(sock, src, accept)
         except (OSError, ConnectionError, f.FrameError, TransferError) as e:
+            ended = f"connection ended: {e}"
             if not self._closed:
                 log.warning("%s: data-plane connection from %s ended: %s", self.node_id, src, e)
         finally:
@@ -335,6 +355,11 @@ class TcpTransport(Transport):
                 # Whatever this peer still owed us will not come on this connection. (Only an admitted
                 # bulk connection: whoever merely claims a name must not break that peer's transfers.)
                 self.fail_from(src, TransferError(f"connection from {src} closed"))
+            if not self._closed and admitted:
+                # A peer that died closes (or resets) every connection at once: said now, it is
+                # known dead long before its heartbeats expire. (A live peer that merely dropped
+                # one is found alive by the registry's own check.)
+                self.peer_lost(src, f"its {conn_class.name.lower()} connection: {ended}")
 
     def _receive_data(self, sock: socket.socket, src: str, accept=None) -> None:
         op_len, block, offset, length, total = f.decode_data_fixed(_recv_header(sock, f.DATA_FIXED))
@@ -374,6 +399,12 @@ class TcpTransport(Transport):
         if channel == ABORT_CHANNEL and accept is not None and not self._abort_from_plan(src, payload, accept):
             log.warning("%s: dropped an abort claiming to be from %s, sent from elsewhere than its address in "
                         "the plan", self.node_id, src)
+            return
+        if (self.check_message_peers and accept is not None
+                and not self.message_source(src, accept, self.unknown_op_wait_s)):
+            # Admitted once, no longer named (its pipeline, pair or transfer ended here).
+            self.dropped_messages += 1
+            log.warning("%s: dropped a message on %r from %s: nothing here names it now", self.node_id, channel, src)
             return
         self.dispatch(src, channel, payload)
 

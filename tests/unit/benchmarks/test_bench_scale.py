@@ -63,9 +63,46 @@ def test_burst_comparisons_are_ratios_of_the_medians(monkeypatch, tmp_path):
     assert report["comparison"]["layercast_new_capacity_first_token_over_all_ready"] == pytest.approx(0.25)
 
 
+def test_burst_figures_are_also_reported_as_overheads_over_ideal_in_the_same_run(monkeypatch, tmp_path):
+    """Issue 41: a mode's burst first token minus ideal's (every worker already holding the
+    model), and layercast's overhead as a multiple of binomial's and serverlessllm's."""
+    burst_first = {"layercast": 5.0, "binomial": 6.0, "serverlessllm": 12.0, "ideal": 4.0}
+    new_first = {"layercast": 3.0, "binomial": 4.0, "serverlessllm": None, "ideal": 0.5}
+
+    def run_once(mode: str, **_kw) -> dict:
+        return trial(mode, 5.0, 0.1) | {"burst_first_token_s": burst_first[mode],
+                                        "new_capacity_first_token_s": new_first[mode]}
+
+    monkeypatch.setattr(bench_scale, "run_once", run_once)
+    report = bench_scale.run_scale_benchmark(modes=list(burst_first), workers=4, from_n=1, to_n=4,
+                                             model_path=Path("unused"), state_dir=tmp_path, emulate=False, repeat=1,
+                                             burst=50)
+    c = report["comparison"]
+    assert c["layercast_burst_first_token_over_ideal_s"] == pytest.approx(1.0)
+    assert c["binomial_burst_first_token_over_ideal_s"] == pytest.approx(2.0)
+    assert c["serverlessllm_burst_first_token_over_ideal_s"] == pytest.approx(8.0)
+    assert c["layercast_new_capacity_first_token_over_ideal_s"] == pytest.approx(2.5)
+    assert "serverlessllm_new_capacity_first_token_over_ideal_s" not in c  # it never got new capacity
+    assert c["layercast_over_binomial_burst_overhead"] == pytest.approx(0.5)
+    assert c["layercast_over_serverlessllm_burst_overhead"] == pytest.approx(0.125)
+    assert c["layercast_over_binomial_new_capacity_first_token"] == pytest.approx(0.75)
+    # Without ideal in the run there is nothing to subtract.
+    assert not any(k.endswith("_over_ideal_s") for k in bench_scale.burst_overheads(
+        {m: r for m, r in {r["mode"]: r for r in report["results"]}.items() if m != "ideal"}))
+
+
+def test_the_timeline_marks_when_pipelines_formed_and_switched():
+    timings = {"decided": 0.0, "pipeline_ready:pipe-1": 2.67, "loaded:inst-1": 3.1, "switched:pipe-1": 5.09,
+               "pipeline_ready:pipe-2": 2.9, "done": 5.1}
+    assert bench_scale.timeline_marks(timings) == [("pipeline formed", 2.67), ("pipeline formed", 2.9),
+                                                   ("switched", 5.09)]
+    assert bench_scale.timeline_marks({"decided": 0.0, "done": 1.0}) == []
+
+
 def test_the_timeline_plot_is_written(tmp_path):
     out = tmp_path / "timeline.png"
-    bench_scale.plot_timelines(out, {"layercast": [0, 5, 10], "binomial": [0, 0, 10]}, step_s=0.1, title="t")
+    bench_scale.plot_timelines(out, {"layercast": [0, 5, 10], "binomial": [0, 0, 10]}, step_s=0.1, title="t",
+                               marks={"layercast": [("pipeline formed", 0.1), ("switched", 0.2)]})
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -237,3 +237,19 @@ def test_rate_series():
 
 def test_replay_request_is_hashable():
     assert len({ReplayRequest(0.0, 1, 1, 0), ReplayRequest(0.0, 1, 1, 0)}) == 1
+
+
+def test_scale_out_times_are_the_simulators_decision_to_capacity_and_to_end():
+    from benchmarks.trace_replay import scale_out_summary, scale_out_times
+
+    ops = [("up", {"decided": 10.0, "planned": 10.2, "ready:i1": 11.5, "pipeline_ready:p1": 11.0,
+                   "loaded:i1": 11.4, "done": 12.0}, {"algorithm": "binomial"}),
+           ("up", {"planned": 20.0, "ready:i2": 24.0, "done": 26.0}, {"kind": "local-load"}),
+           ("down", {"decided": 30.0, "done": 30.5}, {}),  # a scale-in: not a scale-out
+           ("up", {"decided": 40.0, "ready:i3": 41.0}, {})]  # still running at the window's end
+    times = scale_out_times(ops)
+    assert times == [{"algorithm": "binomial", "first_capacity_s": 1.0, "done_s": 2.0},
+                     {"algorithm": "local-load", "first_capacity_s": 4.0, "done_s": 6.0}]
+    summary = scale_out_summary(times)
+    assert summary["n"] == 2 and summary["mean"] == 4.0 and summary["p50"] == 4.0
+    assert scale_out_summary([]) == {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None}

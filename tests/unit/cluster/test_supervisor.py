@@ -4,10 +4,11 @@ state file names the new pid; a crash loop waits longer each time."""
 
 import json
 import sys
+import threading
 import time
 
 from libs.cluster.launcher import ClusterState, ProcessInfo, kill_process, launch_process, process_alive, \
-    restart_process
+    restart_process, stop_processes
 from libs.cluster.supervisor import Supervisor
 from libs.planning.supervision import RestartBackoff
 
@@ -76,3 +77,60 @@ def test_restart_process_kills_and_starts_again_without_a_supervisor(tmp_path):
     assert not process_alive(old) and process_alive(new.pid) and new.restarts == 1
     assert ClusterState.load(tmp_path).processes[0].pid == new.pid
     kill_process(state, "svc")
+
+
+def test_an_exit_status_reaped_before_the_supervisor_looks_is_still_read(tmp_path):
+    # kill_process (and stop_processes) reap the children that exited, as the fault suite's kills
+    # do beside a running supervisor: that used to take the status ("exit code unknown").
+    state = cluster_of(tmp_path, SLEEPER)
+    kill_process(state, "svc")
+    stop_processes([])  # reaps what exited, as every cluster's stop does (the fault suite's beside this)
+    sup = Supervisor(state, backoff=RestartBackoff(initial_s=30.0, max_s=30.0), tell_registry=False)
+    sup.check()
+    assert [(e.kind, e.detail) for e in sup.events] == [("exited", "killed by signal 9")]
+
+
+def test_a_supervisor_asked_to_stop_restarts_nothing_and_returns(tmp_path):
+    # What `layercast up` does on SIGTERM/SIGINT before stopping the cluster: the processes the
+    # stop ends must not come back.
+    state = cluster_of(tmp_path, SLEEPER)
+    first = state.processes[0].pid
+    sup = Supervisor(state, backoff=RestartBackoff(initial_s=0.0), poll_s=0.01)
+    sup.request_stop()
+    kill_process(state, "svc")
+    runner = threading.Thread(target=sup.run, daemon=True)
+    runner.start()
+    runner.join(10)
+    assert not runner.is_alive()  # run() returned
+    sup.check()
+    assert sup.events == [] and state.processes[0].pid == first and not process_alive(first)
+
+
+def test_the_state_file_is_replaced_whole_so_a_reader_never_sees_it_half_written(tmp_path):
+    """The supervisor rewrites the state file at every restart while `layercast` commands (and
+    this module's tests) read it; a reader must get the old file or the new one, never an empty
+    one. The file stays readable by its owner only (the operator's NATS password is in it)."""
+    p = ProcessInfo("svc", 1, None, str(tmp_path / "svc.log"), argv=["x" * 4096], env={}, cwd=str(tmp_path))
+    state = ClusterState(str(tmp_path), "http://127.0.0.1:1", "k", "a", "nats://127.0.0.1:1", "sqlite://", "ns", [p])
+    state.save()
+    done, bad = threading.Event(), []
+
+    def read() -> None:
+        while not done.is_set():
+            try:
+                ClusterState.load(tmp_path)
+            except json.JSONDecodeError as e:
+                bad.append(e)
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(400):
+            p.restarts = i
+            state.save()
+    finally:
+        done.set()
+        reader.join()
+    assert bad == []
+    assert ClusterState.load(tmp_path).processes[0].restarts == 399
+    assert oct((tmp_path / "cluster.json").stat().st_mode & 0o777) == "0o600"
+    assert [f.name for f in tmp_path.iterdir() if f.name.startswith(".cluster.json")] == []  # no temp files left

@@ -68,7 +68,8 @@ def test_penalties_follow_their_definitions():
 
 @pytest.mark.parametrize("kwargs", [dict(presence_penalty=2.5), dict(frequency_penalty=-2.01),
                                     dict(repetition_penalty=0), dict(repetition_penalty=-1.0),
-                                    dict(presence_penalty=float("nan")), dict(logprobs=21), dict(logprobs=-1),
+                                    dict(presence_penalty=float("nan")), dict(repetition_penalty=float("inf")),
+                                    dict(temperature=float("nan")), dict(logprobs=21), dict(logprobs=-1),
                                     dict(logprobs=True), dict(logprobs=2.0)])
 def test_sampling_params_validation(kwargs):
     with pytest.raises(ValueError):
@@ -86,6 +87,30 @@ def test_min_p_keeps_only_the_tokens_at_least_min_p_times_as_likely_as_the_likel
     assert drawn(0.2) == {0, 1, 2}  # p >= 0.1
     assert drawn(1.0) == {0}
     assert drawn(0.0) == {0, 1, 2, 3}  # off
+
+
+SMALLEST, LARGEST = 5e-324, 1.7976931348623157e308  # the extreme finite floats a request may hold
+
+
+@pytest.mark.parametrize("kwargs,drawn", [
+    (dict(repetition_penalty=1.401298464324817e-45), {0}),  # CI's Schemathesis case (float32's smallest)
+    (dict(repetition_penalty=SMALLEST), {0}),  # 3 / p: far past float32's max, the certain token
+    (dict(repetition_penalty=LARGEST), {0, 1, 3, 4}),  # token 2's -2 * p: -inf; token 1's 0 * p was NaN
+    (dict(temperature=SMALLEST), {0}),  # greedy (0 in float32: a division by 0)
+    (dict(temperature=1e-5), {0}),  # the logit gap of 2 divided by 1e-5: token 3's probability is e^-200000
+    (dict(temperature=2.0, top_p=SMALLEST, min_p=1.0), {0}),
+    (dict(repetition_penalty=SMALLEST, temperature=1e-5, presence_penalty=-2.0, frequency_penalty=2.0), {0}),
+])
+def test_no_accepted_sampling_value_makes_the_distribution_non_finite(kwargs, drawn):
+    """Each value the protocol accepts, however extreme, samples a token (torch.multinomial refused
+    the NaN or inf a penalty or temperature made: "probability tensor contains either inf, nan")."""
+    logits = torch.tensor([3.0, 0.0, -2.0, 1.0, -0.5])
+    prompt, output = [0, 1, 2], [2]
+    params = SamplingSpec(**kwargs)
+    gen = torch.Generator().manual_seed(0)
+    got = {sample_token(logits, params, gen, prompt, output) for _ in range(200)}
+    assert got <= drawn and (len(drawn) > 1 or got == drawn), got
+    assert torch.isfinite(apply_penalties(logits, params, prompt, output)).all()
 
 
 def test_token_logprobs_are_the_log_softmax_and_its_top_k():

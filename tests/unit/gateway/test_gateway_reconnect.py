@@ -82,3 +82,46 @@ async def test_a_gap_in_the_token_stream_is_handed_over_not_failed():
     pieces = [p async for p in gen]
     assert dispatched == [[0]]
     assert "".join(p.text for p in pieces) == "abc" and pieces[-1].finish_reason == "length"
+
+
+async def test_a_late_token_of_the_attempt_a_request_left_on_the_same_instance_is_dropped():
+    """Handed over back to the instance it ran on (attempt 0 -> 1): a token the old attempt had
+    already sent arrives after the hand-over, with the very index the new attempt sends next.
+    It carries attempt 0 and is dropped; the new attempt's token takes its place."""
+    routes = ModelRoutes("m", max_queue=4, slots_per_instance=8)
+    routes.add("a", "w1")
+
+    def event(index: int, token: int, attempt: int, finished: bool = False) -> m.TokenEvent:
+        return m.TokenEvent(request_id="r", index=index, token_id=token, instance_id="a", attempt=attempt,
+                            finished=finished, finish_reason="length" if finished else None, prompt_tokens=2)
+
+    async def dispatch(entry, request_id, prompt_ids, sampling, generated_ids=(), choices=None):
+        route = await routes.acquire(1)
+        gen.attempt = 1  # as GatewayService.dispatch records the attempt it handed off
+        # On the wire meanwhile: the old attempt's next token, then the new attempt's.
+        for ev in (event(2, 9, attempt=0), event(2, 2, attempt=1), event(3, 3, attempt=1, finished=True)):
+            gen.queue.put_nowait(ev)
+        return route
+
+    gw = SimpleNamespace(config=gateway.GatewayConfig(first_token_timeout_s=60, token_timeout_s=60),
+                         dispatch=dispatch, workers=InMemoryWorkerClient(), streams={})
+    entry = SimpleNamespace(info=SimpleNamespace(name="m"), tokenizer=_Tokenizer(), eos_ids=[], routes=routes,
+                            ttft_samples=[], tpot_samples=[], tokens_generated=0)
+    gen = gateway.Generation(gw, entry, None, "r", [5, 6], m.SamplingSpec(max_tokens=4), [], 0.0,
+                             SimpleNamespace(add_event=lambda *a, **k: None, set_attribute=lambda *a: None,
+                                             end=lambda: None))
+    gen.route, gen.attempt = await routes.acquire(1), 0
+    gen.queue.put_nowait(event(0, 0, attempt=0))
+    gen.queue.put_nowait(event(1, 1, attempt=0))
+    gen.queue.put_nowait(m.TokenEvent(request_id="r", index=-1, finished=True, finish_reason="error",
+                                      error="the NATS connection was re-established", instance_id="a"))
+    pieces = [p async for p in gen]
+    assert "".join(p.text for p in pieces) == "abcd" and pieces[-1].finish_reason == "length"
+    assert gen.handovers == 1
+    assert gw.workers.cancels == [("w1", m.CancelRequest(request_id="r", instance_id="a", attempt=0))]
+
+
+def test_a_token_event_without_an_attempt_still_parses():
+    """Workers from before attempts were echoed send none: the gateway then goes by instance_id."""
+    ev = m.TokenEvent.model_validate({"request_id": "r", "index": 0, "token_id": 1, "instance_id": "a"})
+    assert ev.attempt is None

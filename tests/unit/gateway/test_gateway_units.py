@@ -96,6 +96,47 @@ async def test_a_model_added_from_several_paths_at_once_gets_one_entry(tiny_chec
     assert again is entries[0] and again.routes.max_queue == 7 and list(again.routes.routes) == ["inst-1"]
 
 
+async def test_a_resync_keeps_a_route_whose_ready_event_came_while_the_registry_was_read(tiny_checkpoint,
+                                                                                         monkeypatch):
+    """An instance's "ready" event reaches the gateway and the registry at once; the registry's
+    answer to a resync read before it wrote the event does not list the instance. The route
+    stays (a pipeline serves for seconds: dropped, it would get nothing until the next resync);
+    a route the registry no longer lists that was there before the read goes."""
+    from libs.checkpoint import CheckpointIndex
+    from libs.protocol import messages as m
+    from services.gateway import service
+    from services.gateway.service import GatewayService
+
+    index = CheckpointIndex.load(tiny_checkpoint)
+    info = m.ModelInfo(name="tiny", path=str(tiny_checkpoint), arch=index.arch, n_layers=index.n_layers,
+                       blocks=[m.BlockInfo(block_id=b.id, nbytes=b.nbytes, checksum=b.checksum,
+                                           layer_start=b.layer_start, layer_end=b.layer_end) for b in index.blocks],
+                       state=m.ModelState.deployed, created_at=0.0)
+    gateway = GatewayService()
+    routes = (await gateway.add_model(info)).routes
+    routes.add("gone", "worker-0")  # ended while its end event was lost: the resync is what drops it
+    pipeline = m.InstanceInfo(instance_id="pipe-1", model="tiny", mode="pipeline", state=m.InstanceState.ready,
+                              created_at=0.0, loaded_at=0.0, stages=[m.Stage(worker_id="worker-1", block_start=0,
+                                                                              block_end=1),
+                                                                     m.Stage(worker_id="worker-2", block_start=1,
+                                                                             block_end=2)])
+
+    async def registry_read(broker, subject, request, reply_type, **kwargs):
+        # The registry has read its tables (the pipeline still "loading" there) when the
+        # pipeline's "ready" event reaches the gateway, before the answer does.
+        gateway._apply_instance(pipeline)
+        return m.ClusterView(workers=[], models=[info], replicas=[], scale_ops=[],
+                             instances=[pipeline.model_copy(update={"state": m.InstanceState.loading})])
+
+    monkeypatch.setattr(service, "call", registry_read)
+    await gateway.resync()
+    assert list(routes.routes) == ["pipe-1"]
+    monkeypatch.setattr(service, "call", lambda *a, **k: asyncio.sleep(0, m.ClusterView(
+        workers=[], models=[info], replicas=[], scale_ops=[], instances=[])))
+    await gateway.resync()  # a read after the event that does not list it: it has ended
+    assert list(routes.routes) == []
+
+
 async def test_a_model_request_is_503_with_retry_after_until_the_model_can_be_told_to_exist_then_404(tiny_checkpoint):
     """Before the first registry read nothing is known: 503 + Retry-After for any name (a client
     retries that, never a 404). After it, a model whose tokenizer is loading is 503 too; one the
@@ -149,3 +190,41 @@ async def test_a_request_before_the_first_registry_read_waits_for_it_then_is_ref
     with pytest.raises(APIError) as e:
         gateway.entry("tiny")
     assert (e.value.status, e.value.code) == (503, "gateway_starting")
+
+
+async def test_a_resync_read_before_a_deploy_or_a_delete_does_not_undo_it(tiny_checkpoint, monkeypatch):
+    """The registry is read every few seconds; a model deployed while a read is under way is not
+    in its answer, and one deleted meanwhile still is. The answer must not drop the first (404s
+    until the next read, its queued requests failed) nor bring back the second."""
+    from libs.checkpoint import CheckpointIndex
+    from libs.protocol import messages as m
+    from services.gateway import service
+    from services.gateway.service import GatewayService
+
+    index = CheckpointIndex.load(tiny_checkpoint)
+    blocks = [m.BlockInfo(block_id=b.id, nbytes=b.nbytes, checksum=b.checksum, layer_start=b.layer_start,
+                          layer_end=b.layer_end) for b in index.blocks]
+    old, new = (m.ModelInfo(name=name, path=str(tiny_checkpoint), arch=index.arch, n_layers=index.n_layers,
+                            blocks=blocks, state=m.ModelState.deployed, created_at=0.0) for name in ("old", "new"))
+    gateway = GatewayService()
+    await gateway.deployed(old)
+    gateway._mark_synced()
+
+    async def registry_read(broker, subject, request, reply_type, **kwargs):
+        # The registry has read its tables when the deploy of "new" and the delete of "old" reach the gateway.
+        await gateway.deployed(new)
+        gateway.deleted("old")
+        return m.ClusterView(workers=[], models=[old], replicas=[], scale_ops=[], instances=[])
+
+    monkeypatch.setattr(service, "call", registry_read)
+    await gateway.resync()
+    assert set(gateway.models) == {"new"} and gateway.listed == {"new"}
+    assert gateway.entry("new") is gateway.models["new"]
+    with pytest.raises(APIError) as gone:
+        gateway.entry("old")
+    assert gone.value.status == 404
+    # A later read is newer than both: it decides (here the registry lists neither any more).
+    monkeypatch.setattr(service, "call", lambda *a, **k: asyncio.sleep(0, m.ClusterView(
+        workers=[], models=[], replicas=[], scale_ops=[], instances=[])))
+    await gateway.resync()
+    assert gateway.models == {} and gateway.listed == set()

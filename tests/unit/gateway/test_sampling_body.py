@@ -2,6 +2,8 @@
 given reaches the engine's SamplingSpec as it is (`to_sampling_spec`), and a bad value is a 400
 naming it. The HTTP app alone (no cluster): a valid body goes on to the model lookup, a 404 here."""
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -79,3 +81,17 @@ def test_a_bad_sampling_value_is_an_openai_400_naming_it(client, path, param, va
     error = r.json()["error"]
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, "invalid_value")
     assert error["message"].startswith(f"Invalid value for '{param}'")
+
+
+@pytest.mark.parametrize("path", BODIES)
+def test_an_infinite_sampling_value_is_a_400(client, path):
+    """1e999 is a JSON number that parses as inf (a repetition penalty of inf: NaN logits in the
+    sampler, a 503); Infinity and NaN are no JSON at all."""
+    body = json.dumps(BODIES[path][1])[:-1]
+    r = client.post(path, content=body + ', "repetition_penalty": 1e999}', headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("repetition_penalty", "invalid_value")
+    for literal in ("Infinity", "NaN"):
+        r = client.post(path, content=body + f', "repetition_penalty": {literal}}}',
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text

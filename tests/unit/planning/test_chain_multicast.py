@@ -187,3 +187,54 @@ def test_every_chain_algorithm_is_registered_as_a_multi_source_chunk_relay():
 
     for name in CHAIN_ALGORITHMS:
         assert MULTICAST_ALGORITHMS[name].multi_source and MULTICAST_ALGORITHMS[name].cost is CHUNK_RELAY
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["binomial", "star", "binary-tree", "chain", "kway", "chain-blind"]),
+       st.integers(3, 12), st.integers(1, 6), st.integers(1, 3), st.integers(1, 3))
+def test_a_fabric_without_a_bottleneck_bounds_a_plan_as_its_cost_model_does(algorithm, n, blocks, k, leaves):
+    """fabric_bound_s with no uplink cap (any number of leaves), or with one leaf, is plan_bound_s."""
+    from libs.planning.multicast import build_plan, fabric_bound_s, multicast_algorithm, plan_bound_s
+
+    k = min(k, n // 2) if multicast_algorithm(algorithm).multi_source else 1
+    nodes = [_gpu(i, "ABC"[i % leaves]) for i in range(n)]
+    plan = chain_plan_over_nodes(algorithm, nodes, k, blocks) if algorithm.startswith("chain") \
+        else build_plan(algorithm, n, blocks, k)
+    total, rate, chunk = 1 << 20, 1e6, 1 << 16
+    expected = plan_bound_s(plan, blocks, total, rate, chunk)
+    assert fabric_bound_s(plan, blocks, total, rate, chunk, [g.leaf for g in nodes], None) == pytest.approx(expected)
+    assert fabric_bound_s(plan, blocks, total, rate, chunk, ["A"] * n, rate / 4) == pytest.approx(expected)
+
+
+def test_chains_that_cross_an_oversubscribed_spine_share_its_uplinks():
+    """2 leaves x 4 nodes, a source per leaf, uplinks of 1.5 links (issue 38's setting): the
+    topology-aware chains stay in their leaves (one link's rate, M/R plus two chunks of fill);
+    the blind chains in node order cross the spine on 4 hops, 2 out of each leaf at once, so
+    each runs at 0.75 R: no run of chain-blind can take less than M / (0.75 R), and the best
+    chain/chain-blind ratio this fabric allows is about 0.75."""
+    from libs.planning.multicast import fabric_bound_s
+
+    nodes = [_gpu(i, "AB"[i % 2]) for i in range(8)]
+    leaf_of = [g.leaf for g in nodes]
+    total, rate, chunk, blocks = 64 << 20, 25e6, 1 << 20, 16
+    aware, blind = (chain_plan_over_nodes(a, nodes, 2, blocks) for a in ("chain", "chain-blind"))
+    aware_s = fabric_bound_s(aware, blocks, total, rate, chunk, leaf_of, 1.5 * rate)
+    blind_s = fabric_bound_s(blind, blocks, total, rate, chunk, leaf_of, 1.5 * rate)
+    assert aware_s == pytest.approx((total + 2 * chunk) / rate)
+    assert blind_s == pytest.approx((total + 2 * chunk) / (0.75 * rate))
+    assert aware_s / blind_s == pytest.approx(0.75)
+    # A scale-up group's fast path (here a group per leaf): the aware chains run at its rate.
+    faster = fabric_bound_s(aware, blocks, total, rate, chunk, leaf_of, 1.5 * rate, leaf_of, 4 * rate)
+    assert faster == pytest.approx((total + 2 * chunk) / (4 * rate))
+
+
+def test_a_block_step_plan_pays_each_steps_slowest_spine_share():
+    """A binomial 1->4 over two leaves (nodes 0, 2 on A; 1, 3 on B), uplinks at half a link:
+    each step costs one block at its slowest transfer's rate."""
+    from libs.planning.multicast import Transfer, MulticastPlan, fabric_bound_s
+
+    # step 0: 0->1 (crosses, alone: half a link); step 1: 0->2 (in leaf A) and 1->3 (in leaf B): full rate
+    plan = MulticastPlan("binomial", 1, [Transfer(0, 0, 1, 0), Transfer(1, 0, 2, 0), Transfer(1, 1, 3, 0)])
+    block = 1000.0
+    got = fabric_bound_s(plan, 1, int(block), 10.0, 1, ["A", "B", "A", "B"], 5.0)
+    assert got == pytest.approx(block / 5.0 + block / 10.0)

@@ -202,3 +202,17 @@ def test_policy_config_validation() -> None:
         SloPolicy(ttft_slo_s=0, tpot_slo_s=1)
     with pytest.raises(ValueError, match="quantile"):
         SloPolicy(ttft_slo_s=1, tpot_slo_s=1, quantile=101)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.floats(0, 2), min_size=1, max_size=40), seconds=st.floats(0, 10))
+def test_the_averaging_window_is_the_samples_after_now_minus_its_length(steps, seconds):
+    from libs.planning.policies import _last
+
+    t, ts = 0.0, []
+    for dt in steps:  # a window in time order, repeats allowed
+        t += dt
+        ts.append(t)
+    w = [MetricsSample(t=x, ready=1) for x in ts]
+    start = w[-1].t - seconds
+    assert _last(w, seconds) == ([s for s in w if s.t > start + 1e-12] or [w[-1]])

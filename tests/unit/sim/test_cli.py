@@ -45,3 +45,43 @@ def test_simulate_refuses_bad_input_clearly(tmp_path):
     assert r.exit_code == 1 and "values.link_gbps" in r.output
     r = CliRunner().invoke(app, ["simulate", str(tmp_path / "missing.csv")])
     assert r.exit_code == 1 and "missing.csv" in r.output
+
+
+REPO = Path(__file__).resolve().parents[3]
+RUNS = [str(REPO / "docs" / "bench_trace" / f"code_4workers_cpu04_run{i}.json") for i in (1, 2, 3)]
+MEASURED_PROFILE = str(REPO / "libs" / "sim" / "profiles" / "measured-here-small40k-cpu04.json")
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="the shared trace the committed runs replayed")
+def test_validate_prints_simulated_beside_the_committed_runs():
+    r = CliRunner().invoke(app, ["simulate", str(SHARED), "--validate", "--profile", MEASURED_PROFILE,
+                                 "--measured", *RUNS, "--modes", "layercast", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout[r.stdout.index("{"):])
+    assert [m["mode"] for m in out["modes"]] == ["layercast"] and out["profile_warnings"] == []
+    inst = out["modes"][0]["figures"]["instance_seconds"]
+    assert inst["runs"] == [293.399, 255.566, 260.387] and inst["median"] == 260.387
+    assert inst["rel_err"] == pytest.approx(inst["sim"] / 260.387 - 1, abs=1e-4)
+    assert out["setting"]["requests"] == 146 and out["setting"]["cpu_quota"] == 0.4
+
+
+def test_validate_refuses_bad_input_clearly(tmp_path):
+    t = str(trace(tmp_path))
+    r = CliRunner().invoke(app, ["simulate", t, "--measured", RUNS[0]])
+    assert r.exit_code == 1 and "go with --validate" in r.output
+    r = CliRunner().invoke(app, ["simulate", t, "--validate", "--measured", str(tmp_path / "none.json")])
+    assert r.exit_code == 1 and "no measured file" in r.output
+    other = json.loads(Path(RUNS[0]).read_text())
+    other["settings"]["workers"] = 2
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    r = CliRunner().invoke(app, ["simulate", t, "--validate", "--measured", RUNS[0], str(tmp_path / "other.json")])
+    assert r.exit_code == 1 and "another workers" in r.output
+    (tmp_path / "bad.json").write_text("{}")
+    r = CliRunner().invoke(app, ["simulate", t, "--validate", "--measured", str(tmp_path / "bad.json")])
+    assert r.exit_code == 1 and "not a `layercast bench trace --json` result" in r.output
+    # a trace that is not the one the runs replayed gives other requests
+    p = tmp_path / "t.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0.0,10,5\n1.0,20,5\n")
+    r = CliRunner().invoke(app, ["simulate", str(p), "--validate", "--measured", RUNS[0], "--profile",
+                                 MEASURED_PROFILE])
+    assert r.exit_code == 1 and "not the trace they replayed" in r.output

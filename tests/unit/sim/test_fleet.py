@@ -9,9 +9,10 @@ import libs.planning.instance as instance_mod
 import libs.planning.scaleop as scaleop_mod
 import libs.planning.scaleout as scaleout_mod
 from libs.planning.multicast import build_plan, schedule_steps, step_bound_s
-from libs.sim.fleet import FleetConfig, simulate
+from libs.sim.fleet import FleetConfig, Simulation, simulate
 from libs.sim.report import summarize
 from libs.sim.timemodel import Fabric, multicast_arrivals
+from sim_profile import profile  # noqa: F401  (fixture)
 
 # A burst of 40 at t=1 s, then a trickle: short runs (coarse tick, short horizon) for the CI budget.
 BURST = [(1.0, 512, 32)] * 100 + [(20.0 + i, 256, 16) for i in range(5)]
@@ -20,7 +21,7 @@ BIG_BURST = [(1.0, 512, 32)] * 200
 
 
 def cfg(mode: str, nodes: int = 8, **kw) -> FleetConfig:
-    return FleetConfig(nodes=nodes, mode=mode, tick_s=0.25, horizon_after_s=40.0, keep_alive_s=10.0, **kw)
+    return FleetConfig(nodes=nodes, mode=mode, **{"tick_s": 0.25, "horizon_after_s": 40.0, "keep_alive_s": 10.0, **kw})
 
 
 def fingerprint(res):
@@ -99,10 +100,59 @@ def test_ideal_binomial_and_serverlessllm_scale_as_their_modes_say(profile):
     assert max(o["last_loaded_s"] for o in binomial.scale_ops) < first["last_loaded_s"]
 
 
-def test_blitzscale_runs_without_live_pairs_and_says_so(profile):
-    res = simulate(cfg("blitzscale"), profile, BURST)
+# A warm instance, then a burst; 1 GB over 2 Gbit/s links: a chain target's load (4 s) outlasts the
+# 2 s TTFT SLO, so the planner pairs the serving instance with the slowest target (BlitzScale §5.2).
+WARM_BURST = [(11.0, 512, 32)] * 100
+
+
+def test_blitzscale_live_pairs_run_the_first_blocks_of_prefills_on_the_loading_target(profile):
+    slow = profile.with_values(link_gbps=2)
+    res = simulate(cfg("blitzscale", min_instances=1), slow, WARM_BURST)
     assert all(o["algorithm"] in ("chain", "local-load") for o in res.scale_ops)
-    assert not res.notes or "live pairs are not simulated" in res.notes[0]
+    assert res.pairs["formed"] >= 1 and res.pairs["refused"] == 0
+    on_target = [k for k in res.pairs["splits"] if k > 0]
+    assert on_target and max(on_target) <= slow.n_blocks // 2  # the splitter's cap: half the model
+    assert all(r.done is not None for r in res.requests)
+    # ZigZag's split grows with the blocks the target holds; "fixed" keeps its first one
+    fixed = simulate(cfg("blitzscale-fixed", min_instances=1), slow, WARM_BURST)
+    assert fixed.pairs["formed"] >= 1 and len({k for k in fixed.pairs["splits"] if k > 0}) == 1
+    assert len(set(on_target)) > 1
+    nopairs = simulate(cfg("blitzscale-nopairs", min_instances=1), slow, WARM_BURST)
+    assert nopairs.pairs == {"formed": 0, "refused": 0, "splits": []}
+
+
+def test_the_split_is_the_real_prefill_splitters(profile, monkeypatch):
+    import libs.planning.livepair as livepair_mod
+
+    monkeypatch.setattr(livepair_mod.PrefillSplitter, "__call__", lambda self, ids=(): 0)
+    res = simulate(cfg("blitzscale", min_instances=1), profile.with_values(link_gbps=2), WARM_BURST)
+    assert res.pairs["formed"] >= 1 and res.pairs["splits"] and not any(res.pairs["splits"])
+
+
+def test_the_threshold_policy_gets_the_profiled_capacity_and_does_not_flap(profile):
+    # capacity_tps: 64 output tokens per request, each request its prefill (96 tokens: 0.01 + 95/511 x 0.03 s)
+    # plus 64 full-batch iterations (8 at length 96 + 32 = 128: 0.03 s) shared by 8
+    sim = Simulation(cfg("blitzscale-nopairs"), profile, [(0.0, 96, 64)])
+    per_request = 0.01 + 95 / 511 * 0.03 + 64 * 0.03 / 8
+    assert sim.models["model-0"].policy_params["capacity_tps"] == pytest.approx(64 / per_request)
+    # a steady 256 output tokens/s against 0.8 x 250 per instance: two instances, once; with the tokens
+    # read per 0.1 s tick at the batches' own events (neither advanced to the tick nor averaged over the
+    # gateway's 0.5 s report) the policy saw zero-load ticks and scaled out ~30 times
+    steady = [(i * 0.25, 256, 64) for i in range(240)]
+    res = simulate(cfg("blitzscale-nopairs", horizon_after_s=20.0), profile, steady)
+    s = summarize(res, 2.0, 0.25)
+    assert s["max_instances"] == 2 and s["scale_outs"] <= 3
+
+
+def test_dedicated_sharing_unloads_another_models_instance_before_a_load(profile):
+    # two models on one node: dedicated serves them in turn (unloading), exclusive side by side
+    trace = [(1.0 + 2 * i, 256, 16) for i in range(10)]
+    ded = simulate(cfg("layercast", nodes=1, models=2, sharing="dedicated", seed=3), profile, trace)
+    exc = simulate(cfg("layercast", nodes=1, models=2, sharing="exclusive", seed=3), profile, trace)
+    assert {r.model for r in ded.requests} == {"model-0", "model-1"}
+    assert ded.evicted >= 1 and exc.evicted == 0
+    assert all(r.done is not None for r in ded.requests + exc.requests)
+    assert len(ded.scale_ops) > len(exc.scale_ops)  # a load each time the node changes model
 
 
 def test_a_1_to_64_binomial_of_a_13b_model_at_200g_is_within_1_1x_its_bound():

@@ -5,6 +5,7 @@ import pytest
 from libs.planning.mesh import Profile
 from libs.planning.multicast import build_plan, chain_bound_s, schedule_steps, step_bound_s
 from libs.sim.timemodel import Compute, Fabric, Storage, multicast_arrivals
+from sim_profile import profile  # noqa: F401  (fixture)
 
 GB = 10**9
 
@@ -85,3 +86,37 @@ def test_compute_interpolates_the_llm_mesh_profile():
     assert c.iteration_s(1, 128, stages=3) == pytest.approx(0.02 + 2 * 0.002)
     assert c.iteration_s(1, 128, sharing=2) == pytest.approx(0.04)
     assert c.iteration_s(0, 128) == 0.0
+
+
+def test_a_profile_extrapolated_below_zero_still_takes_time():
+    # Measured here under load (simulate --validate's test): times fall with length, so beyond the
+    # longest measured length the line goes below zero; a step of no time froze the simulation.
+    prof = Profile((1, 16), (0.0026, 0.0027), (1, 2), (8, 16), ((0.0027, 0.0022), (0.0027, 0.0026)))
+    c = Compute(prof)
+    assert prof.decode_time(1, 80) <= 0 < c.iteration_s(1, 80)
+    assert c.prefill_s(10_000) > 0
+
+
+def test_prompts_waiting_together_share_the_engines_step(profile):
+    """The engine's step (libs/engine/engine.py): one decode pass, then one batched prefill pass over
+    the waiting prompts, `n` the shortest remainder; a prompt gives its first token at the end of
+    the step that finishes it. A arrives alone; B (10 tokens) and C (30) wait together behind it."""
+    from libs.sim.fleet import FleetConfig, simulate
+
+    cfg = FleetConfig(nodes=1, mode="ideal", min_instances=1, tick_s=0.25, horizon_after_s=5.0, keep_alive_s=60)
+    res = simulate(cfg, profile, [(5.0, 10, 4), (5.001, 10, 4), (5.001, 30, 4)])
+    a, b, c = res.requests
+    p, d = profile.compute.prefill_time, profile.compute.decode_time
+    step1 = 5.0 + p(10)
+    step2 = step1 + d(1, 11) + p(2 * 10)  # A decodes, B and C prefill their first 10 tokens
+    step3 = step2 + d(2, 11) + p(20)  # A and B decode, C prefills its last 20
+    assert a.first_token == pytest.approx(step1)
+    assert b.first_token == pytest.approx(step2)
+    assert c.first_token == pytest.approx(step3)
+
+
+def test_the_simulators_engine_step_is_the_engines():
+    from libs.engine.engine import DEFAULT_PREFILL_CHUNK, DEFAULT_TOKEN_BUDGET
+    from libs.sim.fleet import ENGINE_PREFILL_CHUNK, ENGINE_TOKEN_BUDGET
+
+    assert (ENGINE_TOKEN_BUDGET, ENGINE_PREFILL_CHUNK) == (DEFAULT_TOKEN_BUDGET, DEFAULT_PREFILL_CHUNK)

@@ -10,6 +10,9 @@ import threading
 import time
 import zlib
 
+import torch
+
+from libs.engine.stages import CALL_CHANNEL, RemoteStage, StageServer, pack
 from libs.transfer.base import ABORT_CHANNEL, BlockSlot
 from libs.transfer.executor import Hop, PartRun
 from libs.transfer.tcp import frames as f
@@ -82,8 +85,11 @@ def test_bytes_from_a_peer_the_plan_does_not_name_never_reach_a_block(caplog):
         m.sendall(f.encode_hello(f.ConnClass.MESSAGE, "src-a") + f.encode_message(ABORT_CHANNEL, len(abort)) + abort)
         m.close()
         until(lambda: not receiver._accepted and (slot.error is not None or any(
-            "dropped an abort claiming to be from src-a" in r.getMessage() for r in caplog.records)))
-        # (the abort was handled, one way or the other, and the connection's end too)
+            "dropped an abort claiming to be from src-a" in r.getMessage()
+            or "refused a message connection from 127.0.0.2 claiming to be src-a" in r.getMessage()
+            for r in caplog.records)))
+        # (the abort was handled, one way or the other, and the connection's end too: since message
+        # connections are filtered too, it is refused at its hello)
         assert slot.error is None, "a forged abort or a message connection's end failed the real source's transfer"
 
         # The named source, from its address, delivers the block.
@@ -93,7 +99,7 @@ def test_bytes_from_a_peer_the_plan_does_not_name_never_reach_a_block(caplog):
         t.join(30)
         assert results and results[0].bytes_received == NBYTES
         assert bytes(slot.view) == data
-        assert receiver.refused_connections == 2
+        assert receiver.refused_connections == 3  # the two bulk ones, and the forged abort's
     finally:
         receiver.close()
         source.close()
@@ -109,3 +115,76 @@ def test_a_source_is_checked_against_every_address_its_name_resolves_to():
         assert accept_local(None)  # a receive registered without an address (no plan): by name only
     finally:
         receiver.close()
+
+
+def message_connection(to_address: str, claims: str, bind_ip: str, channel: str, payload: bytes) -> socket.socket:
+    """A hand-made message connection from `bind_ip` whose hello claims `claims`, then one message."""
+    s = socket.socket()
+    s.bind((bind_ip, 0))
+    s.connect(split_address(to_address))
+    try:
+        s.sendall(f.encode_hello(f.ConnClass.MESSAGE, claims) + f.encode_message(channel, len(payload)) + payload)
+    except OSError:
+        pass
+    return s
+
+
+def test_messages_are_taken_only_from_the_peers_a_pipeline_names_at_their_address():
+    """Activations (a stage's calls and replies) travel on message connections: a stage server
+    takes calls only from the entry its pipeline names, from the entry's address; once the
+    stage is no longer hosted, not even from it; a reply is taken only from the peer called."""
+    host = TcpTransport("stage-host", unknown_op_wait_s=0.5)
+    entry = TcpTransport("entry", unknown_op_wait_s=0.5)
+    served: list[str] = []
+    answer_r2 = threading.Event()  # the host answers r2 only once the forged reply is sent
+
+    class Echo:
+        slots = 4
+
+        def open(self, request_id):
+            served.append(request_id)
+            if request_id == "r2":
+                answer_r2.wait(10)
+
+        def close(self, request_id):
+            pass
+
+    server = StageServer(host, {})
+    try:
+        server.add("p/1", Echo(), caller="entry", address=entry.address)
+        stage = RemoteStage(entry, "stage-host", host.address, "p/1", slots=4, timeout_s=5)
+        stage.open("r1")  # the named entry, from its address: served, and its reply taken
+        assert served == ["r1"]
+
+        call = pack({"op": "open", "request_id": "forged", "stage": "p/1", "call_id": "x:1"})
+        for claims, ip in (("mallory", "127.0.0.1"), ("entry", "127.0.0.2")):  # unnamed; named, from elsewhere
+            assert closed_by_receiver(message_connection(host.address, claims, ip, CALL_CHANNEL, call))
+        assert host.refused_connections == 2 and served == ["r1"]
+
+        # A reply to the entry's call that comes from another peer than the one called is dropped.
+        other = TcpTransport("other")
+        try:
+            entry.admit_messages("other", other.address)  # even a peer the entry names otherwise
+            future = stage._submit({"op": "open", "request_id": "r2"})
+            call_id = next(iter(stage._replies._waiting))
+            other.send_message("entry", entry.address, "stage.reply", pack({"call_id": call_id, "ok": True},
+                                                                           torch.zeros(1)))
+            time.sleep(0.3)
+            answer_r2.set()
+            assert future.result(5) is None  # the stage host's own (empty) answer, not other's tensor
+        finally:
+            other.close()
+
+        server.remove("p/1")  # the pipeline ended here: the entry's connection stays, its calls do not
+        dropped = host.dropped_messages
+        with_timeout = RemoteStage(entry, "stage-host", host.address, "p/1", slots=4, timeout_s=1.5)
+        try:
+            with_timeout.open("r3")
+            raise AssertionError("a call after the stage ended was served")
+        except TimeoutError:
+            pass
+        assert host.dropped_messages == dropped + 1 and served == ["r1", "r2"]
+    finally:
+        server.close()
+        host.close()
+        entry.close()

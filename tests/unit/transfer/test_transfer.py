@@ -285,6 +285,7 @@ def test_small_messages_do_not_wait_behind_bulk_bytes():
     with TcpTransport("a") as a, TcpTransport("b", unknown_op_wait_s=30) as b:
         got = threading.Event()
         b.on_message("activations", lambda src, payload: got.set() if (src, payload) == ("a", b"x" * 1000) else None)
+        b.admit_messages("a", a.address)
         # b does not expect this op yet: its bulk reader holds the stream (back-pressure), the link is busy.
         big = BlockSlot(0, bytearray(32 << 20), complete=True)
         bulk = threading.Thread(target=a.send_block, args=("b", b.address, "late-op", big), daemon=True)

@@ -27,6 +27,7 @@ def test_tcp_builds_a_working_transport_and_closes_it():
         assert isinstance(a, TcpTransport) and a.address.startswith("127.0.0.1:")
         got = threading.Event()
         b.on_message("ping", lambda src, payload: got.set() if (src, payload) == ("a", b"hi") else None)
+        b.admit_messages("a", a.address)  # b takes messages only from peers it names
         a.send_message("b", b.address, "ping", b"hi")
         assert got.wait(5)
     finally:

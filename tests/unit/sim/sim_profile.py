@@ -1,3 +1,6 @@
+"""The simulator tests' small GPU-like profile, a fixture imported by each test module (not a
+conftest.py: a second `conftest` module shadows tests/conftest.py for `from conftest import`)."""
+
 import pytest
 
 from libs.sim.profile import profile_from_dict
