@@ -170,7 +170,7 @@ class Simulation:
         self.ctl = Control(profile.nats_hop_s, profile.registry_read_s)
         self.storage = Storage(profile.disk_gbytes_per_s * 1e9, profile.disk_read_latency_s,
                                profile.h2d_gbytes_per_s * 1e9, profile.h2d_latency_s)
-        self.compute = Compute(profile.compute, profile.pipeline_hop_s)
+        self.compute = Compute(profile.compute, profile.pipeline_hop_s, profile.token_overhead_s)
         self.route_key = sharing_setting(cfg.sharing).route_key
         self.notes: list[str] = []
         # --- the cluster: workers, models, the registry's replicas and instances
@@ -249,7 +249,7 @@ class Simulation:
             r = Request(f"r{i}", names[self.rng.randrange(len(names))] if len(names) > 1 else names[0], t,
                         max(1, prompt), max(1, output))
             self.requests.append(r)
-            self.q.at(t, self._arrive, r)
+            self.q.at(t + profile.request_overhead_s, self._arrive, r)  # r.arrive stays t: its TTFT counts it
         self.autoscale = autoscale.AutoscaleState(autoscale.AutoscaleConfig(
             window_s=cfg.window_s, scale_down_delay_s=cfg.scale_down_delay_s, resend_s=cfg.resend_s,
             defaults={"concurrency": {"target": cfg.target_concurrency}}))
@@ -976,10 +976,12 @@ def profiled_capacity_tps(profile: SimProfile, mean_prompt: float, mean_output: 
     """The output tokens/s one instance sustains, profiled offline as BlitzScale §5.3 asks (the
     threshold policy's ``capacity_tps``), on the workload's mix: requests of the mean prompt and
     output back to back, each costing its prefill plus its share of full-batch decode iterations
-    (max_batch at the mean sequence length): O / (prefill(P) + O · decode(B, P + O/2) / B)."""
+    (max_batch at the mean sequence length, each row's token overhead t_o included):
+    O / (prefill(P) + O · (decode(B, P + O/2) / B + t_o))."""
     batch = profile.max_batch
     per_request = (profile.compute.prefill_time(max(1, round(mean_prompt)))
-                   + mean_output * profile.compute.decode_time(batch, max(1.0, mean_prompt + mean_output / 2)) / batch)
+                   + mean_output * (profile.compute.decode_time(batch, max(1.0, mean_prompt + mean_output / 2)) / batch
+                                    + profile.token_overhead_s))
     return mean_output / per_request
 
 

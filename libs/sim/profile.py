@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from libs.planning.mesh import Profile
 from libs.planning.mesh_profiles import InvalidProfile, profile_from_message
 from libs.protocol import messages as m
 
-__all__ = ["FIELDS", "ProfileError", "SimProfile", "load_profile", "profile_from_dict"]
+__all__ = ["FIELDS", "ProfileError", "SimProfile", "load_profile", "profile_from_dict", "serving_overheads"]
 
 # name -> (unit, default, what it is)
 FIELDS: dict[str, tuple[str, float, str]] = {
@@ -43,6 +44,11 @@ FIELDS: dict[str, tuple[str, float, str]] = {
     "nats_hop_s": ("s", 0.001, "one message over the bus (a command, an answer, an event)"),
     "registry_read_s": ("s", 0.005, "the planner reading the cluster view"),
     "pipeline_hop_s": ("s", 0.0005, "activations between two stages of an execution pipeline, per iteration"),
+    "request_overhead_s": ("s", 0.0, "a request's path to the engine beyond its prefill (the gateway's parse and "
+                           "routing, the bus hops, the wait for the worker's CPU): the request reaches the gateway's "
+                           "queue this much after it was sent"),
+    "token_overhead_s": ("s", 0.0, "what each row of a decode iteration costs beyond the engine's step (the "
+                         "worker's per-token publish and bookkeeping, on the worker's CPU share)"),
     "model_bytes": ("bytes", 1 << 30, "the model's weights"),
     "n_blocks": ("blocks", 16, "blocks the model is cut into"),
     "max_batch": ("requests", 8, "requests an instance runs at once (its KV slots)"),
@@ -137,3 +143,30 @@ def load_profile(path: str | Path) -> SimProfile:
     except json.JSONDecodeError as e:
         raise ProfileError(f"{path}: not JSON: {e}") from None
     return profile_from_dict(data, p.stem)
+
+
+def serving_overheads(compute: Profile, calibrations: list[Mapping]) -> dict[str, float]:
+    """``request_overhead_s`` and ``token_overhead_s`` from unloaded serving measured end to end
+    (`layercast bench trace`'s SLO calibration: one warm instance, one request at a time, before
+    any replay): what the client saw beyond the compute profile's prefill of the prompt and its
+    one-row decode iteration, medians over the calibrations, never below 0.
+
+    Each calibration: ``unloaded_ttft_s``, ``unloaded_tbt_s``, ``prompt_tokens``, ``output_tokens``."""
+    if not calibrations:
+        raise ProfileError("serving overheads need at least one calibration")
+    req, tok = [], []
+    for i, c in enumerate(calibrations):
+        try:
+            prompt, output = int(c["prompt_tokens"]), int(c["output_tokens"])
+            ttft, tbt = float(c["unloaded_ttft_s"]), float(c["unloaded_tbt_s"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"calibration {i}: needs unloaded_ttft_s, unloaded_tbt_s, prompt_tokens and "
+                               f"output_tokens ({e})") from None
+        if prompt < 1 or output < 1 or not (math.isfinite(ttft) and math.isfinite(tbt)) or ttft < 0 or tbt < 0:
+            raise ProfileError(f"calibration {i}: lengths must be >= 1 and times finite and >= 0")
+        req.append(ttft - compute.prefill_time(prompt))
+        # the mean row length over its decode: the prompt and half the output
+        tok.append(tbt - compute.decode_time(1, prompt + output / 2))
+
+    return {"request_overhead_s": round(max(0.0, statistics.median(req)), 6),
+            "token_overhead_s": round(max(0.0, statistics.median(tok)), 6)}

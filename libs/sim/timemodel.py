@@ -20,7 +20,8 @@
   one at a time in the order the blocks land in host memory.
 * :class:`Compute` — prefill seconds against prompt length and decode-iteration seconds against
   batch × mean sequence length, interpolated over the LLM-Mesh profile
-  (:meth:`libs.planning.mesh.Profile.prefill_time` / ``decode_time``); an execution pipeline of
+  (:meth:`libs.planning.mesh.Profile.prefill_time` / ``decode_time``), plus ``token_overhead_s``
+  per row of an iteration (what serving a token costs beyond the engine's step); an execution pipeline of
   S stages adds (S − 1) · ``pipeline_hop_s`` per iteration; instances sharing a device
   time-slice it (each iteration takes as many times longer as instances are busy there).
 * :class:`Control` — the control plane: one bus message ``nats_hop_s``, a call (request and
@@ -133,6 +134,7 @@ class Storage:
 class Compute:
     profile: Profile
     pipeline_hop_s: float = 0.0
+    token_overhead_s: float = 0.0  # per row of an iteration (the worker's per-token work)
 
     def prefill_s(self, prompt_len: int, stages: int = 1, sharing: int = 1) -> float:
         t = max(MIN_COMPUTE_S, self.profile.prefill_time(prompt_len))
@@ -141,7 +143,7 @@ class Compute:
     def iteration_s(self, batch: int, mean_len: float, stages: int = 1, sharing: int = 1) -> float:
         if batch <= 0:
             return 0.0
-        t = max(MIN_COMPUTE_S, self.profile.decode_time(batch, mean_len))
+        t = max(MIN_COMPUTE_S, self.profile.decode_time(batch, mean_len)) + batch * self.token_overhead_s
         return (t + (stages - 1) * self.pipeline_hop_s) * max(1, sharing)
 
 

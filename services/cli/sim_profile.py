@@ -14,6 +14,11 @@ What it measures and what it takes from the setting (each value's `cite` says wh
   the emulated cluster enforces (README, "Emulated cluster profile"); without emulation pass the
   rates measured by `layercast bench multicast` / `bench load`.
 
+* serving overheads (`--serving-from`): what unloaded requests cost end to end beyond the compute
+  profile (`request_overhead_s`, `token_overhead_s`; libs.sim.profile.serving_overheads), from the
+  SLO calibration `layercast bench trace` makes on a warm instance before its replays. With
+  `--base`, they are added to a profile measured before, which is not measured again.
+
 The file also records `measured_for` (the setting) and the load average, so `simulate --validate`
 can say when a profile was measured for another setting.
 """
@@ -106,9 +111,25 @@ def simulate_profile(
                                       "(worker --kv-cache-gb; bench scale runs 0.25): bounds the engine's batch."),
     repeats: int = typer.Option(3, "--repeats", min=1),
     name: str = typer.Option("measured-here", "--name"),
+    serving_from: list[Path] = typer.Option([], "--serving-from", help="A `bench trace --json` result (repeat): its "
+                                            "SLO calibration gives the serving overheads (request_overhead_s, "
+                                            "token_overhead_s)."),
+    base: Path | None = typer.Option(None, "--base", help="With --serving-from: add the overheads to this profile "
+                                     "file, measured before, instead of measuring one now."),
     state_dir: Path = typer.Option(Path(".layercast"), "--state-dir", help="Where the demo model is built (once)."),
 ) -> None:
     """Measure here the profile `layercast simulate --validate` needs for a bench trace setting."""
+    if base is not None:
+        if not serving_from:
+            _fail("--base goes with --serving-from (it adds the serving overheads to a profile measured before)")
+        try:
+            data = json.loads(base.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            _fail(f"--base {base}: {e}")
+        if name != "measured-here":
+            data["name"] = name
+        _write(out, _with_serving(data, serving_from))
+        return
     import torch
 
     from libs.checkpoint import CheckpointIndex, load_block
@@ -184,6 +205,41 @@ def simulate_profile(
                     f"CPU, repeats {repeats}; {quota_note}",
         },
     }
+    _write(out, _with_serving(data, serving_from) if serving_from else data)
+
+
+def _write(out: Path, data: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
     print(json.dumps(data["values"] | {"compute_prefill_s": data["compute"]["prefill_s"]}, indent=1))
+
+
+def _with_serving(data: dict, bench_files: list[Path]) -> dict:
+    """`data` (a profile) with request_overhead_s and token_overhead_s from the SLO calibrations
+    of these `bench trace --json` results, each value citing them."""
+    from libs.sim.profile import ProfileError, profile_from_dict, serving_overheads
+
+    cals = []
+    for f in bench_files:
+        try:
+            slo = json.loads(f.read_text()).get("slo") or {}
+        except (OSError, json.JSONDecodeError, AttributeError) as e:
+            _fail(f"--serving-from {f}: not a `bench trace --json` result ({e})")
+        if not slo.get("calibrated"):
+            _fail(f"--serving-from {f}: its SLO was given, not calibrated: no unloaded measurement in it")
+        cals.append(slo)
+    try:
+        values = serving_overheads(profile_from_dict(data).compute, cals)
+    except ProfileError as e:
+        _fail(str(e))
+    where = ", ".join(f.name for f in bench_files)
+    how = ("median over the calibrations of `bench trace`'s SLO calibration (one warm instance, one request at a "
+           f"time, before the replays) in {where}")
+    data = {**data, "values": {**data["values"],
+            "request_overhead_s": {"value": values["request_overhead_s"], "cite": (
+                f"unloaded TTFT - the compute profile's prefill of the prompt, {how}")},
+            "token_overhead_s": {"value": values["token_overhead_s"], "cite": (
+                f"unloaded time between tokens - the compute profile's one-row decode iteration, {how}")}}}
+    data["description"] = (data.get("description", "") + " Serving overheads from the SLO calibrations of "
+                           f"{where} (`layercast simulate-profile --serving-from`).").strip()
+    return data

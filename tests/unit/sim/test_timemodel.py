@@ -120,3 +120,26 @@ def test_the_simulators_engine_step_is_the_engines():
     from libs.sim.fleet import ENGINE_PREFILL_CHUNK, ENGINE_TOKEN_BUDGET
 
     assert (ENGINE_TOKEN_BUDGET, ENGINE_PREFILL_CHUNK) == (DEFAULT_TOKEN_BUDGET, DEFAULT_PREFILL_CHUNK)
+
+
+def test_each_row_of_an_iteration_pays_the_token_overhead():
+    prof = Profile((1, 1024), (0.01, 0.5), (1, 8), (128, 1024), ((0.02, 0.03), (0.04, 0.08)))
+    c = Compute(prof, token_overhead_s=0.005)
+    assert c.iteration_s(1, 128) == pytest.approx(0.02 + 0.005)
+    assert c.iteration_s(8, 1024) == pytest.approx(0.08 + 8 * 0.005)
+    assert c.iteration_s(8, 1024, sharing=2) == pytest.approx(2 * (0.08 + 8 * 0.005))
+    assert c.prefill_s(1024) == pytest.approx(0.5)  # a prefill pays the request's overhead, not this
+
+
+def test_a_request_reaches_the_engine_its_overhead_after_it_was_sent(profile):
+    """Closed form on a warm instance, one request alone: TTFT = request_overhead + prefill(P);
+    each later token one iteration (decode(1, len) + token_overhead)."""
+    from libs.sim.fleet import FleetConfig, simulate
+
+    p = profile.with_values(request_overhead_s=0.04, token_overhead_s=0.006)
+    cfg = FleetConfig(nodes=1, mode="ideal", min_instances=1, tick_s=0.25, horizon_after_s=5.0, keep_alive_s=60)
+    (r,) = simulate(cfg, p, [(5.0, 100, 3)]).requests
+    pre, dec = profile.compute.prefill_time, profile.compute.decode_time
+    assert r.ttft == pytest.approx(0.04 + pre(100))
+    # two more tokens: the decode passes at lengths 101 and 102 (the fluid model's mean length)
+    assert r.done - r.first_token == pytest.approx(2 * (dec(1, 101) + 0.006), rel=0.02)
