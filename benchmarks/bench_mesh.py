@@ -72,7 +72,7 @@ from benchmarks.bench_trace import (
     prompt_ids,
     send_all,
 )
-from benchmarks.harness import ADMIN_KEY, API_KEY, EventRecorder, namespaced, service_env
+from benchmarks.harness import ADMIN_KEY, API_KEY, EventRecorder, namespaced, service_env, sigterm_unwinds
 from benchmarks.mesh_workload import MeshRequest, MeshWorkloadSpec, load_workload
 from benchmarks.trace_replay import attains_slo, instance_seconds, percentiles
 from libs.cluster.launcher import (
@@ -405,6 +405,7 @@ def mesh_cluster(sharing: str, models: dict[str, Path], cfg: MeshBenchConfig, st
                 "LAYERCAST_PROFILE_MAX_LEN": str(max(16, cfg.max_prompt_tokens))})
     cpu_quota = _cpu_quota(cfg)
     with ExitStack() as stack:
+        sigterm_unwinds(stack)  # a `timeout` or a runner's SIGTERM stops the cluster, not only Ctrl-C
         spec = ClusterSpec(state_dir=state_dir, port=free_port(), api_key=API_KEY, admin_key=ADMIN_KEY,
                            workers=cfg.workers, namespace=namespace, heartbeat_ttl_s=15.0,
                            torch_threads=cfg.torch_threads, extra_env=env)

@@ -40,6 +40,7 @@ from libs.planning.multicast import (
 from libs.cluster.launcher import healthy
 from libs.cluster.emulation import EmulatedCluster, EmulationProfile, place_nodes
 from libs.planning.chain import CHAIN_ALGORITHMS, Gpu, chain_plan_over_nodes
+from benchmarks.harness import sigterm_unwinds
 
 # The default: every registered algorithm; chain-blind is chain itself without a topology to be blind to.
 ALGORITHMS = tuple(a for a in MULTICAST_ALGORITHMS if a != "chain-blind")
@@ -218,6 +219,7 @@ def run_multicast_benchmark(nodes: int = 8, size_mb: float = 256, blocks: int = 
     # Generous: the slowest schedule (star) at a third of the link rate.
     timeout_s = timeout_s or max(60.0, 3 * max(plan_bound_s(p, blocks, total, rate, chunk) for p in plans))
     with ExitStack() as stack:
+        sigterm_unwinds(stack)  # namespaces, tc and cgroups are removed on SIGTERM too
         cluster = stack.enter_context(EmulatedCluster(
             nodes, link_mbit, cpu_quota=cpu_quota, mtu=mtu, leaves=leaves, uplink_mbit=uplink_mbit,
             scaleup_group_size=scaleup_group_size)) if emulate else None

@@ -392,7 +392,7 @@ def service_env(*, target_concurrency: int | None = None, scale_down_delay_s: fl
     return {k: f"{v:g}" if isinstance(v, float) else str(v) for k, v in env.items() if v is not None}
 
 
-def _sigterm_unwinds(stack: ExitStack) -> None:
+def sigterm_unwinds(stack: ExitStack) -> None:
     """Make SIGTERM (e.g. from `timeout`) raise in the main thread while the cluster runs, so the
     stack stops its processes (they run in their own sessions and would outlive us otherwise)."""
     if threading.current_thread() is not threading.main_thread() or \
@@ -477,7 +477,7 @@ def mode_cluster(mode: str, *, workers: int, model_path: Path, state_dir: Path, 
     if cold_start:
         drop_checkpoint_cache(Path(model_path))
     with ExitStack() as stack:
-        _sigterm_unwinds(stack)
+        sigterm_unwinds(stack)
         emulation = None
         if emulate:
             cm, used = _emulation_context(workers, profile, Path(model_path).resolve())

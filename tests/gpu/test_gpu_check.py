@@ -68,8 +68,11 @@ def _wheels_dir(tmp_path_factory) -> Path:
     if set(wheel_pins()) | set(wheel_pins(TRANSFORMERS_LIST)) <= have:
         return here
     fresh = tmp_path_factory.mktemp("gpu-wheels")
-    done = subprocess.run([str(REPO / "scripts" / "gpu-wheels"), str(fresh)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHON": sys.executable}, timeout=300)
+    try:
+        done = subprocess.run([str(REPO / "scripts" / "gpu-wheels"), str(fresh)], capture_output=True, text=True,
+                              env={**os.environ, "PYTHON": sys.executable}, timeout=300)
+    except subprocess.TimeoutExpired:  # pip retrying an index it cannot reach
+        pytest.skip("scripts/gpu-wheels could not download the wheels within 300 s (no PyPI here?)")
     if done.returncode != 0:
         pytest.skip(f"scripts/gpu-wheels could not download the wheels (no PyPI here?): {done.stderr[-500:]}")
     return fresh
