@@ -820,6 +820,10 @@ class Simulation:
                 in_host = [now if h else next(it) for h in held]
             for b, t in enumerate(in_host):
                 self.q.at(t, self._replica, load.model, worker, b, HOST, True)
+                # pinned while the instance uses it, as the worker's loader feeds it
+                # (services/worker/loading.py): its teardown then releases the pins with the
+                # scale-in's host keep-alive (serverlessllm's), after which the copy leaves
+                self.q.at(t, self._worker_event, inst.iid, op_id, lc.BlockInHost(b))
             engine = self.storage.to_engine(in_host, sizes, now)
         inst.compute_from = max(max(engine), build)
         self.q.at(build, self._worker_event, inst.iid, op_id, lc.EngineBuilt())

@@ -100,6 +100,20 @@ def test_ideal_binomial_and_serverlessllm_scale_as_their_modes_say(profile):
     assert max(o["last_loaded_s"] for o in binomial.scale_ops) < first["last_loaded_s"]
 
 
+
+@pytest.mark.parametrize("host_keep_alive_s, second_is_cold", [(0.5, True), (1000.0, False)])
+def test_serverlessllm_host_copy_leaves_after_its_keep_alive(profile, host_keep_alive_s, second_is_cold):
+    """The worker pins a load's blocks in host memory and releases them at the instance's stop
+    with the scale-in's keep-alive (services/worker/loading.py); only then do they leave. A
+    model back after its instance stopped reads the disk again once that keep-alive ran out."""
+    res = simulate(cfg("serverlessllm", nodes=1, keep_alive_s=2.0, serverlessllm_keep_alive_s=host_keep_alive_s),
+                   profile, [(1.0, 64, 4), (30.0, 64, 4)])
+    first, second = res.scale_ops
+    disk = 1e9 / 2e9
+    assert first["last_loaded_s"] > disk
+    assert (second["last_loaded_s"] > disk) is second_is_cold
+    assert all(r.done is not None for r in res.requests)
+
 # A warm instance, then a burst; 1 GB over 2 Gbit/s links: a chain target's load (4 s) outlasts the
 # 2 s TTFT SLO, so the planner pairs the serving instance with the slowest target (BlitzScale §5.2).
 WARM_BURST = [(11.0, 512, 32)] * 100
