@@ -121,7 +121,7 @@ def fig_chain_topology(p: SimProfile, ns: Sequence[int] = (8, 16, 32, 64), leave
 
 
 def fig_burst(p: SimProfile, ns: Sequence[int] = (8, 16, 64),
-              modes: Sequence[str] = ("layercast", "binomial", "faasnet", "serverlessllm"),
+              modes: Sequence[str] = ("layercast", "binomial", "faasnet", "serverlessllm", "ideal"),
               n_requests: int = 50, prompt: int = 512, output: int = 32, at_s: float = 1.0,
               max_batches: Sequence[int] = (8, 32)) -> dict:
     """λScale §7.3-7.4's stress test in the fleet simulator, from cold (λScale Fig. 11's setting: no
@@ -132,7 +132,11 @@ def fig_burst(p: SimProfile, ns: Sequence[int] = (8, 16, 64),
 
     Per instance KV slots (`max_batches`, the profile's max_batch overridden): the gateway fills
     the first instance that attaches up to its slots, and its prefills of those (linear in tokens)
-    then bound the whole burst whatever follows; with few slots the scale-out's capacity decides."""
+    then bound the whole burst whatever follows; with few slots the scale-out's capacity decides.
+
+    With `ideal` among the modes (every worker already holds the model in its GPU): each mode's
+    overhead over it (whole-burst first token minus ideal's, as `bench scale --burst` reports it)
+    and layercast's overhead against binomial's and serverlessllm's."""
     rows = []
     burst = [(at_s, prompt, output)] * n_requests
     for slots in max_batches:
@@ -152,7 +156,17 @@ def fig_burst(p: SimProfile, ns: Sequence[int] = (8, 16, 64),
     ratios = {f"max_batch={b} n={n}": {m: (round(by[(b, n, m)] / by[(b, n, "layercast")], 3)
                                           if by[(b, n, m)] and by[(b, n, "layercast")] else None) for m in modes}
               for b in max_batches for n in ns}
-    return {"rows": rows, "over_layercast": ratios,
+    out: dict = {}
+    if "ideal" in modes:
+        over = {f"max_batch={b} n={n}": {m: (round(by[(b, n, m)] - by[(b, n, "ideal")], 4)
+                                            if by[(b, n, m)] is not None and by[(b, n, "ideal")] is not None else None)
+                                        for m in modes if m != "ideal"} for b in max_batches for n in ns}
+        out["overhead_over_ideal_s"] = over
+        if "layercast" in modes:
+            out["layercast_overhead_over"] = {
+                key: {m: (round(o["layercast"] / o[m], 3) if o.get(m) and o["layercast"] is not None else None)
+                      for m in o if m != "layercast"} for key, o in over.items()}
+    return {"rows": rows, "over_layercast": ratios, **out,
             "setting": {"requests": n_requests, "prompt_tokens": prompt, "output_tokens": output,
                         "warm_instances": 0, "host_copies": "one (none for serverlessllm)",
                         "target_concurrency": 1},

@@ -52,6 +52,17 @@ def test_the_burst_figure_runs_the_fleet_per_mode(profile):
     # from cold: layercast multicasts the one host copy; serverlessllm reads every copy from disk (2 GB/s, 1 GB)
     assert rows["serverlessllm"]["whole_burst_first_token_s"] > 1.4 * rows["layercast"]["whole_burst_first_token_s"]
     assert d["over_layercast"]["max_batch=8 n=8"]["serverlessllm"] > 1
+    assert "overhead_over_ideal_s" not in d  # no ideal run, no overheads
+
+
+def test_the_burst_figure_gives_each_modes_overhead_over_ideal(profile):
+    d = fig_burst(profile, ns=(8,), modes=("layercast", "serverlessllm", "ideal"), max_batches=(8,))
+    first = {r["mode"]: r["whole_burst_first_token_s"] for r in d["rows"]}
+    over = d["overhead_over_ideal_s"]["max_batch=8 n=8"]
+    assert over == {m: pytest.approx(first[m] - first["ideal"], abs=1e-3) for m in ("layercast", "serverlessllm")}
+    assert 0 < over["layercast"] < over["serverlessllm"]  # ideal holds the model everywhere already
+    ratio = d["layercast_overhead_over"]["max_batch=8 n=8"]["serverlessllm"]
+    assert ratio == pytest.approx(over["layercast"] / over["serverlessllm"], abs=1e-3)
 
 
 def test_locality_aware_placement_avoids_the_ssd_and_random_does_not(profile, monkeypatch):
