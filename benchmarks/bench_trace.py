@@ -332,6 +332,19 @@ def calibrate(handle: ClusterHandle, requests: Sequence[ReplayRequest], n: int, 
 # --- one mode ----------------------------------------------------------------------------------
 
 
+PER_REQUEST_COLUMNS = ("index", "sent_s", "ttft_s", "tbt_s", "prompt_tokens", "tokens", "error")
+
+
+def per_request_row(o: Outcome) -> list:
+    """One request as the JSON keeps it (PER_REQUEST_COLUMNS; times in seconds after the replay start
+    for sent_s, after sending for ttft_s; None where it has none)."""
+    def r(x: float | None, digits: int = 5) -> float | None:
+        return None if x is None else round(x, digits)
+
+    return [o.index, r(o.sent_s, 4), r(o.ttft_s), r(o.tbt_s, 6), o.prompt_tokens, o.tokens,
+            None if o.ok else (o.error or "failed")]
+
+
 def summarize_mode(mode: str, handle: ClusterHandle, wall0: float, outcomes: Sequence[Outcome],
                    replay_s: float, slo: dict) -> tuple[dict, dict]:
     """The JSON row of a mode and its series for the plot (times relative to the replay start)."""
@@ -373,6 +386,9 @@ def summarize_mode(mode: str, handle: ClusterHandle, wall0: float, outcomes: Seq
         "instances": [[iid, round(st - wall0, 3), None if en >= t_end else round(en - wall0, 3),
                        [k for k, _ in groupby(r.state for r in records if r.instance_id == iid)]]
                       for iid, (st, en) in sorted(intervals.items(), key=lambda kv: kv[1][0])],
+        # every request, to compare one by one (e.g. with `layercast simulate`): the columns below
+        "per_request_columns": list(PER_REQUEST_COLUMNS),
+        "per_request": [per_request_row(o) for o in sorted(outcomes, key=lambda o: o.index)],
     }
     series = {
         "instances": [(t - wall0, n) for t, n in instance_steps(intervals.values(), wall0, t_end)],

@@ -79,6 +79,11 @@ def test_bench_trace_two_modes(tmp_path, trace_csv):
         assert r["early_stops"] == 0  # the benchmark's model has no EOS: every answer runs to max_tokens
         assert r["tokens_without_chunk"] == 0  # ... and streams a chunk per token (what TTFT/TBT are timed on)
         assert r["completion_tokens"] == sum(x.output_tokens for x in expected)
+        rows = [dict(zip(r["per_request_columns"], row)) for row in r["per_request"]]  # every request, in order
+        assert [x["index"] for x in rows] == list(range(len(expected)))
+        assert [x["prompt_tokens"] for x in rows] == [x.prompt_tokens for x in expected]
+        assert all(x["error"] is None and x["ttft_s"] > 0 for x in rows)
+        assert max(x["ttft_s"] for x in rows) >= r["ttft_s"]["p99"]
         assert r["instance_seconds"] > 0  # scaled from zero and served
         assert r["scale_ops"] >= 1 and r["scale_ops_up"] >= 1
         for key in ("ttft_s", "tbt_s"):
