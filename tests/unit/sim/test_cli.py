@@ -85,3 +85,20 @@ def test_validate_refuses_bad_input_clearly(tmp_path):
     r = CliRunner().invoke(app, ["simulate", str(p), "--validate", "--measured", RUNS[0], "--profile",
                                  MEASURED_PROFILE])
     assert r.exit_code == 1 and "not the trace they replayed" in r.output
+
+
+S3_RUNS = [str(REPO / "docs" / "bench_trace" / f"code_4workers_cpu04_s3_run{i}.json") for i in (1, 2, 3)]
+S3_PROFILE = str(REPO / "libs" / "sim" / "profiles" / "measured-here-small40k-cpu04-s3-serving.json")
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="the shared trace the committed runs replayed")
+def test_the_simulator_stays_within_issue_39s_tolerances_of_the_committed_quiet_runs():
+    """The fidelity the simulator was validated at (docs/sim/README.md, session 3): a change to the
+    time models or to the decisions that moves a figure out of tolerance fails here."""
+    r = CliRunner().invoke(app, ["simulate", str(SHARED), "--validate", "--profile", S3_PROFILE,
+                                 "--measured", *S3_RUNS, "--modes", "layercast,binomial,serverlessllm", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout[r.stdout.index("{"):])
+    assert out["profile_warnings"] == []
+    beyond = [(m["mode"], k, f["rel_err"]) for m in out["modes"] for k, f in m["figures"].items() if f["within"] is False]
+    assert beyond == [] and out["verdicts"]["within"] == 12
