@@ -91,12 +91,14 @@ def sample_points(maximum: int) -> tuple[int, ...]:
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise-linear through (xs, ys), xs ascending: the two closest known points. Below the
     first point, the first value (a shorter input is never slower); beyond the last, the last
-    segment extended (work keeps growing)."""
+    segment extended (work keeps growing), never below the last value (a longer input is never
+    faster: a noisy profile whose last segment falls would otherwise reach 0)."""
     if len(xs) == 1 or x <= xs[0]:
         return ys[0]
     i = min(bisect.bisect_left(xs, x), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(0.0, y if x <= x1 else max(y, y1))
 
 
 @dataclass(frozen=True)

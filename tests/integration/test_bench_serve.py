@@ -50,8 +50,9 @@ def test_bench_serve_reports_every_concurrency_against_the_engine(tmp_path, tiny
         prompts = _prompts(int(c), vocab, seed=int(c))
         assert trial["tokens"] == greedy_token_counts(tiny_checkpoint.parent / "hf", prompts, 32), c
         # Gaps are timed where the client reads: a client the machine starves reads several chunks at
-        # once (0 gaps), so the median gap may round to 0 (a CI run, concurrency 16), never the 99th.
+        # once (0 gaps), so at one concurrency even the 99th gap may round to 0 (CI runs: the median at
+        # 16, once the 99th); across the three, gaps were measured.
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and 0 <= row["itl_p50_s"] <= row["itl_p99_s"]
-        assert row["itl_p99_s"] > 0
         assert row["tokens_per_s"] > 0 and len(row["engine_trials"]) == 1 and row["engine_tokens_per_s"] > 0
         assert row["serve_over_engine"] > 0
+    assert any(row["itl_p99_s"] > 0 for row in out["concurrency"].values())

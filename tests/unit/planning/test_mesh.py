@@ -78,6 +78,14 @@ def test_prefill_beyond_the_samples_extends_the_last_segment():
     assert p.prefill_time(192) == pytest.approx(0.15)
 
 
+def test_beyond_the_samples_a_falling_last_segment_stops_at_the_last_value():
+    # a noisy profile (measured on a busy machine) whose last segment falls: a longer prompt is
+    # never faster than the longest measured one, however far the line would fall
+    p = Profile((8, 16), (0.0030, 0.0024), (1,), (1,), ((0.0,),))
+    assert p.prefill_time(12) == pytest.approx(0.0027)  # inside: interpolated as measured
+    assert p.prefill_time(64) == pytest.approx(0.0024) == p.prefill_time(10_000)
+
+
 @given(st.integers(1, 64), st.floats(1, 4096))
 def test_decode_interpolation_is_exact_on_a_bilinear_surface(batch, mean_len):
     p = linear_profile()
