@@ -228,3 +228,22 @@ def generate_on_worker(nats_url: str, worker_id: str, instance_id: str, prompt_i
             await broker.stop()
 
     return asyncio.run(run())
+
+
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_code_2023_first30min.csv"
+
+
+def shared_or_synthetic_trace(folder: Path, n: int, gap_s: float, step_s: float, prompt_step: int,
+                              stamp=lambda t: f"{t:.3f}") -> Path:
+    """The shared Azure trace where the checkout has it (../shared), else a written one with its
+    columns: `n` requests in two bursts `gap_s` apart, `step_s` apart within a burst, prompt
+    100 + prompt_step * i tokens and 5 + i output tokens; `stamp(t)` writes a TIMESTAMP."""
+    if SHARED_TRACE.exists():
+        return SHARED_TRACE
+    path = folder / "synthetic.csv"
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for i in range(n):
+        t = (i % (n // 2)) * step_s + (gap_s if i >= n // 2 else 0)
+        rows.append(f"{stamp(t)},{100 + prompt_step * i},{5 + i}")
+    path.write_text("\n".join(rows) + "\n")
+    return path

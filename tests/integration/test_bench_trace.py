@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks.trace_replay import Transform, apply_transform, parse_trace
+from conftest import SHARED_TRACE, shared_or_synthetic_trace
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED_TRACE = REPO.parent / "shared" / "traces" / "azure_llm_code_2023_first30min.csv"
 MODES = ["layercast", "serverlessllm"]
 ARGS = {"--duration-s": "60", "--time-scale": "20", "--rate-scale": "0.2", "--seed": "0",
         "--max-prompt-tokens": "128", "--max-output-tokens": "16"}
@@ -23,16 +23,10 @@ ARGS = {"--duration-s": "60", "--time-scale": "20", "--rate-scale": "0.2", "--se
 
 @pytest.fixture(scope="module")
 def trace_csv(tmp_path_factory) -> Path:
-    """The real trace where the checkout has it, else a synthetic one with the same columns."""
-    if SHARED_TRACE.exists():
-        return SHARED_TRACE
-    path = tmp_path_factory.mktemp("trace") / "synthetic.csv"
-    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
-    for i in range(100):  # two bursts of 50 requests, 30 s apart
-        t = (i % 50) * 0.02 + (30 if i >= 50 else 0)
-        rows.append(f"2023-11-16 18:17:{int(t):02d}.{int((t % 1) * 1e7):07d},{100 + 97 * i},{5 + i}")
-    path.write_text("\n".join(rows) + "\n")
-    return path
+    """The real trace where the checkout has it, else two bursts of 50 requests 30 s apart, with
+    the trace's own timestamps (dates)."""
+    return shared_or_synthetic_trace(tmp_path_factory.mktemp("trace"), 100, 30, 0.02, 97,
+                                     stamp=lambda t: f"2023-11-16 18:17:{int(t):02d}.{int((t % 1) * 1e7):07d}")
 
 
 def test_bench_trace_two_modes(tmp_path, trace_csv):

@@ -11,27 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from conftest import shared_or_synthetic_trace
 from libs.planning.trace import Transform, apply_transform, parse_trace
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED_TRACE = REPO.parent / "shared" / "traces" / "azure_llm_code_2023_first30min.csv"
 CLI = [sys.executable, "-c", "from services.cli import main; main()"]
 
 
 @pytest.fixture(scope="module")
 def trace_csv(tmp_path_factory) -> Path:
-    """The real trace where the checkout has it, else a synthetic one with the same columns."""
-    if SHARED_TRACE.exists():
-        return SHARED_TRACE
-    path = tmp_path_factory.mktemp("trace") / "synthetic.csv"
-    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
-    for i in range(60):  # two bursts of 30 requests, 20 s apart
-        t = (i % 30) * 0.05 + (20 if i >= 30 else 0)
-        rows.append(f"{t:.3f},{100 + 37 * i},{5 + i}")
-    path.write_text("\n".join(rows) + "\n")
-    return path
+    """The real trace where the checkout has it, else two bursts of 30 requests 20 s apart."""
+    return shared_or_synthetic_trace(tmp_path_factory.mktemp("trace"), 60, 20, 0.05, 37)
 
 
 @pytest.mark.timeout(660)

@@ -25,9 +25,11 @@ def _event(index: int, token: int, instance: str, finished: bool = False) -> m.T
                         finish_reason="length" if finished else None, prompt_tokens=2)
 
 
-def _generation(then: list[m.TokenEvent]):
+def _generation(then: list[m.TokenEvent], attempt_after_dispatch: int | None = None):
     """A request streaming from instance "a" (worker w1); a hand-over dispatches it to "a"
-    again (the instance did not fail), which sends `then`. Returns (gen, what was dispatched)."""
+    again (the instance did not fail), which sends `then` (recording `attempt_after_dispatch` as
+    the request's attempt first, as GatewayService.dispatch does, when given). Returns (gen, the
+    gateway, the routes, what was dispatched)."""
     routes = ModelRoutes("m", max_queue=4, slots_per_instance=8)
     routes.add("a", "w1")
     dispatched = []
@@ -35,6 +37,8 @@ def _generation(then: list[m.TokenEvent]):
     async def dispatch(entry, request_id, prompt_ids, sampling, generated_ids=(), choices=None):
         dispatched.append(list(generated_ids))
         route = await routes.acquire(1)
+        if attempt_after_dispatch is not None:
+            gen.attempt = attempt_after_dispatch
         for ev in then:
             gen.queue.put_nowait(ev)
         return route
@@ -88,28 +92,13 @@ async def test_a_late_token_of_the_attempt_a_request_left_on_the_same_instance_i
     """Handed over back to the instance it ran on (attempt 0 -> 1): a token the old attempt had
     already sent arrives after the hand-over, with the very index the new attempt sends next.
     It carries attempt 0 and is dropped; the new attempt's token takes its place."""
-    routes = ModelRoutes("m", max_queue=4, slots_per_instance=8)
-    routes.add("a", "w1")
-
     def event(index: int, token: int, attempt: int, finished: bool = False) -> m.TokenEvent:
         return m.TokenEvent(request_id="r", index=index, token_id=token, instance_id="a", attempt=attempt,
                             finished=finished, finish_reason="length" if finished else None, prompt_tokens=2)
 
-    async def dispatch(entry, request_id, prompt_ids, sampling, generated_ids=(), choices=None):
-        route = await routes.acquire(1)
-        gen.attempt = 1  # as GatewayService.dispatch records the attempt it handed off
-        # On the wire meanwhile: the old attempt's next token, then the new attempt's.
-        for ev in (event(2, 9, attempt=0), event(2, 2, attempt=1), event(3, 3, attempt=1, finished=True)):
-            gen.queue.put_nowait(ev)
-        return route
-
-    gw = SimpleNamespace(config=gateway.GatewayConfig(first_token_timeout_s=60, token_timeout_s=60),
-                         dispatch=dispatch, workers=InMemoryWorkerClient(), streams={})
-    entry = SimpleNamespace(info=SimpleNamespace(name="m"), tokenizer=_Tokenizer(), eos_ids=[], routes=routes,
-                            ttft_samples=[], tpot_samples=[], tokens_generated=0)
-    gen = gateway.Generation(gw, entry, None, "r", [5, 6], m.SamplingSpec(max_tokens=4), [], 0.0,
-                             SimpleNamespace(add_event=lambda *a, **k: None, set_attribute=lambda *a: None,
-                                             end=lambda: None))
+    # On the wire after the hand-over: the old attempt's next token, then the new attempt's.
+    gen, gw, routes, _ = _generation([event(2, 9, attempt=0), event(2, 2, attempt=1),
+                                      event(3, 3, attempt=1, finished=True)], attempt_after_dispatch=1)
     gen.route, gen.attempt = await routes.acquire(1), 0
     gen.queue.put_nowait(event(0, 0, attempt=0))
     gen.queue.put_nowait(event(1, 1, attempt=0))

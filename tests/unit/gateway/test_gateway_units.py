@@ -10,6 +10,18 @@ from services.gateway.errors import APIError
 from services.gateway.routing import ModelRoutes
 from services.gateway.text import StopMatcher
 
+
+def deployed_model(checkpoint, name: str = "tiny"):
+    """The registry's record of `checkpoint` deployed as `name`, as the gateway receives it."""
+    from libs.checkpoint import CheckpointIndex
+    from libs.protocol import messages as m
+
+    index = CheckpointIndex.load(checkpoint)
+    return m.ModelInfo(name=name, path=str(checkpoint), arch=index.arch, n_layers=index.n_layers,
+                       blocks=[m.BlockInfo(block_id=b.id, nbytes=b.nbytes, checksum=b.checksum,
+                                           layer_start=b.layer_start, layer_end=b.layer_end) for b in index.blocks],
+                       state=m.ModelState.deployed, created_at=0.0)
+
 alphabet = st.sampled_from("abc ")
 
 
@@ -77,15 +89,9 @@ async def test_an_instance_gets_no_more_requests_than_its_engine_runs_at_once():
 async def test_a_model_added_from_several_paths_at_once_gets_one_entry(tiny_checkpoint):
     """The deploy call, the model event and the resync can add a model at the same moment:
     they share one entry, so an instance routed through the first is not lost to a second."""
-    from libs.checkpoint import CheckpointIndex
-    from libs.protocol import messages as m
     from services.gateway.service import GatewayService
 
-    index = CheckpointIndex.load(tiny_checkpoint)
-    info = m.ModelInfo(name="tiny", path=str(tiny_checkpoint), arch=index.arch, n_layers=index.n_layers,
-                       blocks=[m.BlockInfo(block_id=b.id, nbytes=b.nbytes, checksum=b.checksum,
-                                           layer_start=b.layer_start, layer_end=b.layer_end) for b in index.blocks],
-                       state=m.ModelState.deployed, created_at=0.0)
+    info = deployed_model(tiny_checkpoint)
     gateway = GatewayService()
     first = asyncio.create_task(gateway.add_model(info))
     await asyncio.sleep(0)  # the first is reading the tokenizer when an instance becomes ready
@@ -102,16 +108,11 @@ async def test_a_resync_keeps_a_route_whose_ready_event_came_while_the_registry_
     answer to a resync read before it wrote the event does not list the instance. The route
     stays (a pipeline serves for seconds: dropped, it would get nothing until the next resync);
     a route the registry no longer lists that was there before the read goes."""
-    from libs.checkpoint import CheckpointIndex
     from libs.protocol import messages as m
     from services.gateway import service
     from services.gateway.service import GatewayService
 
-    index = CheckpointIndex.load(tiny_checkpoint)
-    info = m.ModelInfo(name="tiny", path=str(tiny_checkpoint), arch=index.arch, n_layers=index.n_layers,
-                       blocks=[m.BlockInfo(block_id=b.id, nbytes=b.nbytes, checksum=b.checksum,
-                                           layer_start=b.layer_start, layer_end=b.layer_end) for b in index.blocks],
-                       state=m.ModelState.deployed, created_at=0.0)
+    info = deployed_model(tiny_checkpoint)
     gateway = GatewayService()
     routes = (await gateway.add_model(info)).routes
     routes.add("gone", "worker-0")  # ended while its end event was lost: the resync is what drops it
@@ -141,15 +142,9 @@ async def test_a_model_request_is_503_with_retry_after_until_the_model_can_be_to
     """Before the first registry read nothing is known: 503 + Retry-After for any name (a client
     retries that, never a 404). After it, a model whose tokenizer is loading is 503 too; one the
     registry does not list is 404."""
-    from libs.checkpoint import CheckpointIndex
-    from libs.protocol import messages as m
     from services.gateway.service import GatewayService
 
-    index = CheckpointIndex.load(tiny_checkpoint)
-    info = m.ModelInfo(name="tiny", path=str(tiny_checkpoint), arch=index.arch, n_layers=index.n_layers,
-                       blocks=[m.BlockInfo(block_id=b.id, nbytes=b.nbytes, checksum=b.checksum,
-                                           layer_start=b.layer_start, layer_end=b.layer_end) for b in index.blocks],
-                       state=m.ModelState.deployed, created_at=0.0)
+    info = deployed_model(tiny_checkpoint)
     gateway = GatewayService()
 
     def refused(name: str) -> APIError:
@@ -196,16 +191,11 @@ async def test_a_resync_read_before_a_deploy_or_a_delete_does_not_undo_it(tiny_c
     """The registry is read every few seconds; a model deployed while a read is under way is not
     in its answer, and one deleted meanwhile still is. The answer must not drop the first (404s
     until the next read, its queued requests failed) nor bring back the second."""
-    from libs.checkpoint import CheckpointIndex
     from libs.protocol import messages as m
     from services.gateway import service
     from services.gateway.service import GatewayService
 
-    index = CheckpointIndex.load(tiny_checkpoint)
-    blocks = [m.BlockInfo(block_id=b.id, nbytes=b.nbytes, checksum=b.checksum, layer_start=b.layer_start,
-                          layer_end=b.layer_end) for b in index.blocks]
-    old, new = (m.ModelInfo(name=name, path=str(tiny_checkpoint), arch=index.arch, n_layers=index.n_layers,
-                            blocks=blocks, state=m.ModelState.deployed, created_at=0.0) for name in ("old", "new"))
+    old, new = (deployed_model(tiny_checkpoint, name) for name in ("old", "new"))
     gateway = GatewayService()
     await gateway.deployed(old)
     gateway._mark_synced()
