@@ -167,6 +167,5 @@ def serving_overheads(compute: Profile, calibrations: list[Mapping]) -> dict[str
         req.append(ttft - compute.prefill_time(prompt))
         # the mean row length over its decode: the prompt and half the output
         tok.append(tbt - compute.decode_time(1, prompt + output / 2))
-
     return {"request_overhead_s": round(max(0.0, statistics.median(req)), 6),
             "token_overhead_s": round(max(0.0, statistics.median(tok)), 6)}

@@ -110,7 +110,8 @@ def simulate_profile(
     kv_cache_gb: float = typer.Option(1.0, "--kv-cache-gb", min=0.001, help="The workers' KV budget per instance "
                                       "(worker --kv-cache-gb; bench scale runs 0.25): bounds the engine's batch."),
     repeats: int = typer.Option(3, "--repeats", min=1),
-    name: str = typer.Option("measured-here", "--name"),
+    name: str | None = typer.Option(None, "--name", help="The profile's name (default: measured-here; with --base, "
+                                    "the base's)."),
     serving_from: list[Path] = typer.Option([], "--serving-from", help="A `bench trace --json` result (repeat): its "
                                             "SLO calibration gives the serving overheads (request_overhead_s, "
                                             "token_overhead_s)."),
@@ -126,10 +127,10 @@ def simulate_profile(
             data = json.loads(base.read_text())
         except (OSError, json.JSONDecodeError) as e:
             _fail(f"--base {base}: {e}")
-        if name != "measured-here":
-            data["name"] = name
+        data["name"] = name or data.get("name", "measured-here")
         _write(out, _with_serving(data, serving_from))
         return
+    name = name or "measured-here"
     import torch
 
     from libs.checkpoint import CheckpointIndex, load_block
