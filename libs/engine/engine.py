@@ -140,6 +140,16 @@ _PAIR_FAILURES = (ConnectionError, TimeoutError, RuntimeError)
 
 
 @dataclass
+class _Ahead:
+    """Prefill passes run ahead of the load (Engine.prefill_ahead): each pass's hidden state after
+    blocks [block_start, done), its KV of those layers written but not yet counted."""
+
+    passes: list[_Pass]
+    x: list[torch.Tensor]
+    done: int
+
+
+@dataclass
 class _Flight:
     """A micro-batch in a pipeline's stages: its passes, each one's input to the stage it is at
     (its output once it left the last), and the replies awaited from a stage elsewhere."""
@@ -221,6 +231,10 @@ class Engine:
         self._schedule = MicroBatchSchedule(len(self.stages)) if self.micro_batches > 1 else None
         self._flights: dict[int, _Flight] = {}  # micro-batch id -> its passes
         self._closing: dict[str, _Request] = {}  # cancelled while in flight: its slots free once it lands
+        # Execute while loading: the first prefill passes, run through the blocks landed so far.
+        self._ahead: _Ahead | None = None
+        self._ahead_failed = False  # a block failed to arrive: nothing more runs ahead
+        self.ahead_blocks = 0  # blocks of prefill passes run before the load ended (a counter)
 
     @property
     def model(self) -> LayerRange:
@@ -368,6 +382,8 @@ class Engine:
         engine (e.g. already finished)."""
         if self._queue.pop(request_id, None) is not None:
             return True
+        if self._ahead is not None and any(r.id == request_id for p in self._ahead.passes for r in p.requests):
+            self._drop_ahead()  # its slot may be reused: the passes run again, without it
         running = [r for r in self._active.values() if r.id == request_id]
         busy = self._schedule.busy() if self._schedule is not None else set()
         for req in running:
@@ -386,7 +402,7 @@ class Engine:
 
     def has_work(self) -> bool:
         """Something to compute: queued requests, prefills, or decodes (held requests wait)."""
-        return bool(self._queue) or bool(self._flights) or any(
+        return bool(self._queue) or bool(self._flights) or self._ahead is not None or any(
             r.pending or (not r.held and r.output_ids) for r in self._active.values())
 
     @property
@@ -421,6 +437,7 @@ class Engine:
             raise ValueError(f"cannot resize the KV cache to {slots} slots: {len(self._active)} in use")
         if slots >= self.token_budget:  # the constructor's rule: a step decodes every slot, with room to prefill
             raise ValueError(f"{slots} slots need a token budget above {self.token_budget}")
+        self._drop_ahead()  # a resize keeps each slot's counted tokens only
         done: list[tuple[LocalStage, int]] = []
         try:
             for st in self.stages:
@@ -475,6 +492,8 @@ class Engine:
         micro-batch per stage, kept in flight across steps, and the step returns the tokens of the
         micro-batches that left the last stage (at least one, when any is in flight)."""
         self._admit()
+        if self._ahead is not None:
+            return self._finish_ahead()
         if self._schedule is not None:
             return self._step_pipelined()
         passes: list[_Pass] = []
@@ -504,6 +523,63 @@ class Engine:
                     outputs.append(self._advance(r, logits[i, -1]))
                 outputs += [self._advance(f, logits[i, -1]) for f in forked if not f.output_ids]
         return outputs
+
+    # -- execute while loading (λScale §4: inference starts before the model is all in) ----------
+
+    def prefill_ahead(self) -> bool:
+        """While the model's blocks still arrive (a serve-while-loading instance), run the waiting
+        prefills through the leading blocks that have landed, keeping their hidden states: the
+        step once every block is in runs only the rest, so their first tokens come about one
+        block's compute after the last block rather than a whole prefill after. Never waits for a
+        block (the worker's engine thread calls it between other engines' steps); False when it
+        computed nothing. One local stage only (a pipeline's stages are loaded before it serves;
+        a live pair's source holds every block)."""
+        if (self._ahead_failed or self._front is not None or len(self.stages) != 1
+                or not isinstance(self.stages[0], LocalStage) or self.runnable()):
+            return False
+        model = self.stages[0].model
+        # The last block runs in step(): it is the part that counts the passes' tokens in.
+        upto = min(model.block_start + model.leading_ready_blocks(), model.block_end - 1)
+        if self._ahead is None:
+            if upto <= model.block_start:
+                return False
+            self._admit()
+            passes = self._prefill_passes(self.token_budget)
+            if not passes:
+                return False
+            self._ahead = _Ahead(passes, [p.inputs for p in passes], model.block_start)
+        ahead = self._ahead
+        if upto <= ahead.done:
+            return False
+        try:
+            ahead.x = [self.stages[0].forward_blocks(p.ids, x, p.q_len, (ahead.done, upto))
+                       for p, x in zip(ahead.passes, ahead.x)]
+        except Exception as e:  # a block that failed to load: the step after the load fails as before
+            log.warning("prefill ahead of the load stopped: %s", e)
+            self._drop_ahead()
+            self._ahead_failed = True
+            return False
+        self.ahead_blocks += upto - ahead.done
+        ahead.done = upto
+        return True
+
+    def _finish_ahead(self) -> list[TokenOutput]:
+        """The passes run ahead, through their remaining blocks (waiting for any still arriving)."""
+        ahead, self._ahead = self._ahead, None
+        stage = self.stages[0]
+        outs = [stage.forward_blocks(p.ids, x, p.q_len, (ahead.done, stage.model.block_end), logits_to_keep=1)
+                for p, x in zip(ahead.passes, ahead.x)]
+        self.last_step = None  # only part of the model ran: no sample for the live profile (StepShape)
+        return self._sampled(ahead.passes, outs)
+
+    def _drop_ahead(self) -> None:
+        """Forget the passes run ahead: their chunks go back to their rows, to be prefilled again
+        at the same positions (the KV they wrote there is not counted, and is overwritten then)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            for p in ahead.passes:
+                for i, r in enumerate(p.requests):
+                    r.pending = p.inputs[i].tolist() + r.pending
 
     # -- 2D pipelining across steps (λScale Fig. 6a) --------------------------------------------
 

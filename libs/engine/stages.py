@@ -85,9 +85,18 @@ class LocalStage:
 
     def forward(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, logits_to_keep: int = 0
                 ) -> torch.Tensor:
+        return self.forward_blocks(request_ids, inputs, q_len, (self.model.block_start, self.model.block_end),
+                                   logits_to_keep)
+
+    def forward_blocks(self, request_ids: list[str], inputs: torch.Tensor, q_len: int, blocks: tuple[int, int],
+                       logits_to_keep: int = 0) -> torch.Tensor:
+        """Blocks [a, b) of a pass. A pass may run in parts, each at the same positions (its first
+        blocks while the later ones still arrive: Engine.prefill_ahead); its tokens count as in the
+        cache only once the part with the range's last block has run."""
         view = self.kv.batch([self._slot[r] for r in request_ids], q_len)
-        out = self.model(inputs, view, logits_to_keep=logits_to_keep)
-        view.commit()
+        out = self.model(inputs, view, logits_to_keep=logits_to_keep, blocks=blocks)
+        if blocks[1] == self.model.block_end:
+            view.commit()
         return out
 
     def length(self, request_id: str) -> int:

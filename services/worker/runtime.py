@@ -2,8 +2,10 @@
 
 The event loop submits requests and cancellations through a queue; the thread
 steps every engine that has work and can run, and hands token outputs back to the
-loop. An engine whose blocks are still arriving is skipped until they have (the load
-calls `wake`), so a request waiting for a block never stalls another instance's tokens.
+loop. An engine whose blocks are still arriving is not stepped until they have (the load
+calls `wake`), so a request waiting for a block never stalls another instance's tokens;
+meanwhile its waiting prefills run through the blocks already landed (Engine.prefill_ahead,
+which never waits), so they are nearly done when the last block lands.
 Engines are not thread-safe, so only this thread ever touches them.
 
 Two schedules (the cluster's `sharing` setting): `turns` steps every engine with work in turn
@@ -33,6 +35,8 @@ log = logging.getLogger(__name__)
 # Work dropped on a cancel (its client went away, or a hand-over): the engine freed its slots.
 CANCELLED = Counter("layercast_worker_cancelled_requests_total",
                     "Requests an engine dropped unfinished on a cancel (KV slots freed)")
+PREFILL_AHEAD = Counter("layercast_worker_prefill_ahead_blocks_total",
+                        "Blocks of waiting prefills run while the model's later blocks were still loading")
 
 
 @dataclass
@@ -233,6 +237,11 @@ class EngineRuntime:
                 pass
             for instance_id in self._to_step():
                 self._step(instance_id, self._engines[instance_id], out)
+            for engine in self._engines.values():
+                if engine.has_work() and not engine.runnable():
+                    before = engine.ahead_blocks
+                    if engine.prefill_ahead():  # the blocks landed since: never waits for one
+                        PREFILL_AHEAD.inc(engine.ahead_blocks - before)
             self._emit(out)
 
     def _to_step(self) -> list[str]:
