@@ -30,7 +30,7 @@ from libs.planning.scaleout import build_plan, plan_bound_s
 from libs.protocol import messages as m
 from libs.protocol import subjects
 from libs.bus.broker import make_broker, publish, start_broker
-from benchmarks.harness import mode_cluster, namespaced
+from benchmarks.harness import WORKERS_PREFILL_AHEAD, mode_cluster, namespaced
 from libs.cluster.launcher import ClusterError
 
 TIMELINE_STEP_S = 0.1
@@ -594,6 +594,6 @@ def run_scale_benchmark(*, modes: list[str], workers: int, from_n: int, to_n: in
         comparison |= overload_comparison(by)
     return {"workers": workers, "from": from_n, "to": to_n, "repeat": repeat, "kv_cache_gb": KV_CACHE_GB,
             "burst": burst, "overload_rps": overload_rps, "overload_lead_s": overload_lead_s, "prompt_words": prompt_words,
-            "request_streams": concurrency or to_n, "max_tokens": max_tokens,
+            "request_streams": concurrency or to_n, "max_tokens": max_tokens, "prefill_ahead": WORKERS_PREFILL_AHEAD,
             "profile": None if profile is None else asdict(profile),
             "results": results, "comparison": comparison}

@@ -40,6 +40,10 @@ from libs.cluster.launcher import ClusterError, ClusterSpec, ClusterState, free_
 
 API_KEY, ADMIN_KEY = "sk-bench-api", "sk-bench-admin"
 MODEL_NAME = "bench"
+# Recorded with every run: its workers run waiting prefills through the blocks landed while a
+# serve-while-loading instance loads (Engine.prefill_ahead). Runs recorded before it lack the
+# field; `layercast simulate --validate` then simulates workers without it.
+WORKERS_PREFILL_AHEAD = True
 
 
 def namespaced(subject: str, namespace: str) -> str:
@@ -468,7 +472,7 @@ def mode_cluster(mode: str, *, workers: int, model_path: Path, state_dir: Path, 
     settings: dict[str, Any] = {"mode": mode, "workers": workers, "deploy": {k: v for k, v in deploy.items()
                                                                               if k not in ("name", "path")},
                                 "service_env": env, "torch_threads": torch_threads, "emulated": emulate,
-                                "cold_start": cold_start}
+                                "cold_start": cold_start, "prefill_ahead": WORKERS_PREFILL_AHEAD}
     if database_url is None:  # a fresh SQLite registry (and NATS store): nothing left from an earlier run
         for leftover in state_dir.glob("registry.db*"):
             leftover.unlink()

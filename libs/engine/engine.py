@@ -141,11 +141,11 @@ _PAIR_FAILURES = (ConnectionError, TimeoutError, RuntimeError)
 
 @dataclass
 class _Ahead:
-    """Prefill passes run ahead of the load (Engine.prefill_ahead): each pass's hidden state after
-    blocks [block_start, done), its KV of those layers written but not yet counted."""
+    """A prefill pass run ahead of the load (Engine.prefill_ahead): its hidden state after blocks
+    [block_start, done), its KV of those layers written but not yet counted."""
 
-    passes: list[_Pass]
-    x: list[torch.Tensor]
+    pass_: _Pass
+    x: torch.Tensor
     done: int
 
 
@@ -232,7 +232,7 @@ class Engine:
         self._flights: dict[int, _Flight] = {}  # micro-batch id -> its passes
         self._closing: dict[str, _Request] = {}  # cancelled while in flight: its slots free once it lands
         # Execute while loading: the first prefill passes, run through the blocks landed so far.
-        self._ahead: _Ahead | None = None
+        self._ahead: list[_Ahead] = []
         self._ahead_failed = False  # a block failed to arrive: nothing more runs ahead
         self.ahead_blocks = 0  # blocks of prefill passes run before the load ended (a counter)
 
@@ -382,7 +382,7 @@ class Engine:
         engine (e.g. already finished)."""
         if self._queue.pop(request_id, None) is not None:
             return True
-        if self._ahead is not None and any(r.id == request_id for p in self._ahead.passes for r in p.requests):
+        if any(r.id == request_id for a in self._ahead for r in a.pass_.requests):
             self._drop_ahead()  # its slot may be reused: the passes run again, without it
         running = [r for r in self._active.values() if r.id == request_id]
         busy = self._schedule.busy() if self._schedule is not None else set()
@@ -402,7 +402,7 @@ class Engine:
 
     def has_work(self) -> bool:
         """Something to compute: queued requests, prefills, or decodes (held requests wait)."""
-        return bool(self._queue) or bool(self._flights) or self._ahead is not None or any(
+        return bool(self._queue) or bool(self._flights) or bool(self._ahead) or any(
             r.pending or (not r.held and r.output_ids) for r in self._active.values())
 
     @property
@@ -492,7 +492,7 @@ class Engine:
         micro-batch per stage, kept in flight across steps, and the step returns the tokens of the
         micro-batches that left the last stage (at least one, when any is in flight)."""
         self._admit()
-        if self._ahead is not None:
+        if self._ahead:
             return self._finish_ahead()
         if self._schedule is not None:
             return self._step_pipelined()
@@ -530,56 +530,71 @@ class Engine:
         """While the model's blocks still arrive (a serve-while-loading instance), run the waiting
         prefills through the leading blocks that have landed, keeping their hidden states: the
         step once every block is in runs only the rest, so their first tokens come about one
-        block's compute after the last block rather than a whole prefill after. Never waits for a
+        block's compute after the last block rather than a whole prefill after. A request that
+        comes later catches up through the landed blocks in its own pass. Never waits for a
         block (the worker's engine thread calls it between other engines' steps); False when it
         computed nothing. One local stage only (a pipeline's stages are loaded before it serves;
         a live pair's source holds every block)."""
         if (self._ahead_failed or self._front is not None or len(self.stages) != 1
                 or not isinstance(self.stages[0], LocalStage) or self.runnable()):
             return False
-        model = self.stages[0].model
+        stage = self.stages[0]
         # The last block runs in step(): it is the part that counts the passes' tokens in.
-        upto = min(model.block_start + model.leading_ready_blocks(), model.block_end - 1)
-        if self._ahead is None:
-            if upto <= model.block_start:
-                return False
-            self._admit()
-            passes = self._prefill_passes(self.token_budget)
-            if not passes:
-                return False
-            self._ahead = _Ahead(passes, [p.inputs for p in passes], model.block_start)
-        ahead = self._ahead
-        if upto <= ahead.done:
+        upto = min(stage.model.block_start + stage.model.leading_ready_blocks(), stage.model.block_end - 1)
+        if upto <= stage.model.block_start:
             return False
+        self._admit()
+        ahead_rows = {r.key for a in self._ahead for r in a.pass_.requests}
+        waiting = [r for r in self._active.values() if r.pending and r.parent is None and r.key not in ahead_rows]
+        for p in self._whole_prompt_passes(waiting):
+            self._ahead.append(_Ahead(p, p.inputs, stage.model.block_start))
+        ran = 0
         try:
-            ahead.x = [self.stages[0].forward_blocks(p.ids, x, p.q_len, (ahead.done, upto))
-                       for p, x in zip(ahead.passes, ahead.x)]
+            for a in self._ahead:
+                if a.done < upto:
+                    a.x = stage.forward_blocks(a.pass_.ids, a.x, a.pass_.q_len, (a.done, upto))
+                    ran, a.done = max(ran, upto - a.done), upto
         except Exception as e:  # a block that failed to load: the step after the load fails as before
             log.warning("prefill ahead of the load stopped: %s", e)
             self._drop_ahead()
             self._ahead_failed = True
             return False
-        self.ahead_blocks += upto - ahead.done
-        ahead.done = upto
-        return True
+        self.ahead_blocks += ran
+        return ran > 0
+
+    def _whole_prompt_passes(self, waiting: list[_Request]) -> list[_Pass]:
+        """Every waiting row's whole context at once, one pass per length (rows never need
+        padding): nothing decodes while the model loads, so neither the step's token budget nor
+        the prefill chunk (which keep decodes' gaps short) has anything to protect."""
+        by_len: dict[int, list[_Request]] = {}
+        for r in waiting:
+            by_len.setdefault(len(r.pending), []).append(r)
+        passes = []
+        for n, group in by_len.items():
+            chunks = []
+            for r in group:
+                chunks.append(r.pending)
+                r.pending = []
+            passes.append(_Pass(group, torch.tensor(chunks, device=self.device), n,
+                                sample=tuple(not r.output_ids for r in group), prefill=True))
+        return passes
 
     def _finish_ahead(self) -> list[TokenOutput]:
         """The passes run ahead, through their remaining blocks (waiting for any still arriving)."""
-        ahead, self._ahead = self._ahead, None
+        ahead, self._ahead = self._ahead, []
         stage = self.stages[0]
-        outs = [stage.forward_blocks(p.ids, x, p.q_len, (ahead.done, stage.model.block_end), logits_to_keep=1)
-                for p, x in zip(ahead.passes, ahead.x)]
+        outs = [stage.forward_blocks(a.pass_.ids, a.x, a.pass_.q_len, (a.done, stage.model.block_end),
+                                     logits_to_keep=1) for a in ahead]
         self.last_step = None  # only part of the model ran: no sample for the live profile (StepShape)
-        return self._sampled(ahead.passes, outs)
+        return self._sampled([a.pass_ for a in ahead], outs)
 
     def _drop_ahead(self) -> None:
         """Forget the passes run ahead: their chunks go back to their rows, to be prefilled again
         at the same positions (the KV they wrote there is not counted, and is overwritten then)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            for p in ahead.passes:
-                for i, r in enumerate(p.requests):
-                    r.pending = p.inputs[i].tolist() + r.pending
+        ahead, self._ahead = self._ahead, []
+        for a in ahead:
+            for i, r in enumerate(a.pass_.requests):
+                r.pending = a.pass_.inputs[i].tolist() + r.pending
 
     # -- 2D pipelining across steps (λScale Fig. 6a) --------------------------------------------
 

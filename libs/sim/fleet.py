@@ -20,6 +20,14 @@ membership (iteration time from the profile at the batch's mean length); while p
 the instance runs the engine's steps (one decode pass, then one batched prefill pass over the
 waiting prompts, shortest remainder first: `_schedule`); workers never fail.
 
+Execute while loading (the worker's Engine.prefill_ahead; FleetConfig.prefill_ahead): a
+serve-while-loading instance's prefill step that starts before its last block is in engine
+memory takes every waiting prompt whole (nothing decodes yet, so no token budget and no
+chunks) and runs each block once it has landed, the block's share of the step by its bytes
+(`_ahead_done`); prompts that come meanwhile join that step as the engine's late passes catch
+up through the landed blocks (`_join_ahead`; their compute counts from the step's start, a
+small optimism when the load is much longer than the prefill, as it is on a GPU).
+
 Live pairs (BlitzScale §5.2, modes blitzscale / blitzscale-fixed): the planner's pairs
 (:func:`libs.planning.scaleout.plan_live_pairs`, carried by the scale operation) reach both
 instances' lifecycles (``PairFormed``: pair_source / pair_target; ``EndPair`` / ``PairEnded``
@@ -86,6 +94,9 @@ class FleetConfig:
     serverlessllm_keep_alive_s: float = SERVERLESSLLM_KEEP_ALIVE_S
     seed: int = 0
     horizon_after_s: float = 600.0  # requests unfinished this long after the last arrival are lost
+    # The worker's Engine.prefill_ahead: a serve-while-loading instance's first prefills run each
+    # block as it lands. False: workers before it (their first step waited for every block).
+    prefill_ahead: bool = True
 
     def __post_init__(self) -> None:
         mode_spec(self.mode)  # ValueError naming the modes
@@ -132,6 +143,11 @@ class SimInstance:
     kind: str  # local | pipeline
     life: lc.Lifecycle
     compute_from: float = float("inf")  # its first iteration cannot start before (every block in)
+    # a serve-while-loading instance's blocks' arrivals in engine memory and its engine's
+    # construction: its first prefill runs each block as it lands (Engine.prefill_ahead)
+    blocks_at: tuple[float, ...] = ()
+    built_at: float = 0.0
+    ahead_from: float | None = None  # the prefill step in progress runs ahead of the load, from then
     prefilling: deque = field(default_factory=deque)  # requests waiting for / in their prefill
     decoding: dict = field(default_factory=dict)  # rid -> Request
     busy_until: float = 0.0  # the prefill step in progress ends
@@ -420,21 +436,29 @@ class Simulation:
                 self._advance(inst)
                 waiting = list(inst.prefilling)
                 budget = ENGINE_TOKEN_BUDGET - len(inst.decoding)
+                ahead = bool(inst.blocks_at) and now < inst.compute_from and not inst.decoding
                 n = max(1, min(ENGINE_PREFILL_CHUNK, *(self._pending(r) for r in waiting)))
                 rows = waiting[:max(1, budget // n)]
                 n = max(1, min(n, budget))
                 decodes = tuple(r for r in inst.decoding.values() if r.left > 1e-6)
+                # ahead of the load: every waiting prompt whole (Engine.prefill_ahead's passes)
+                step_rows = tuple((r, self._pending(r)) for r in waiting) if ahead else tuple((r, n) for r in rows)
                 # a row whose first blocks ran on a live pair's target costs only its other blocks here
-                tokens = sum(n * self._own_share(r) for r in rows)
+                tokens = sum(k * self._own_share(r) for r, k in step_rows)
                 took = self.compute.prefill_s(max(1, round(tokens)), len(inst.workers), self._sharing(inst))
                 if decodes:
                     took += self._iter_s(inst)
-                inst.step_rows = tuple((r, n) for r in rows)
+                inst.step_rows = step_rows
                 inst.step_decodes = decodes
                 inst.busy_until = start + took
+                if ahead:
+                    inst.ahead_from = now
+                    inst.busy_until = self._ahead_done(inst, now, took)
                 self.q.at(inst.busy_until, self._prefilled, inst.iid, inst.version)
                 return
         elif inst.prefilling and inst.busy_until > now + EPS:
+            if inst.ahead_from is not None:
+                self._join_ahead(inst)
             self.q.at(inst.busy_until, self._prefilled, inst.iid, inst.version)
             return
         if inst.decoding:
@@ -442,6 +466,29 @@ class Simulation:
             left = min(r.left for r in inst.decoding.values())
             begin = max(now, inst.busy_until, inst.compute_from)
             self.q.at(begin + max(0.0, left) * it, self._decoded, inst.iid, inst.version)
+
+    def _join_ahead(self, inst: SimInstance) -> None:
+        """Requests that reach an instance whose prefill runs ahead of its load catch up through
+        the blocks landed (in a pass of their own, Engine.prefill_ahead): the step takes their
+        prompts too, its compute spread over the same block arrivals."""
+        stepping = {r.rid for r, _ in inst.step_rows}
+        new = [r for r in inst.prefilling if r.rid not in stepping]
+        if not new:
+            return
+        inst.step_rows += tuple((r, self._pending(r)) for r in new)
+        tokens = sum(n * self._own_share(r) for r, n in inst.step_rows)
+        took = self.compute.prefill_s(max(1, round(tokens)), len(inst.workers), self._sharing(inst))
+        inst.busy_until = self._ahead_done(inst, inst.ahead_from, took)
+
+    def _ahead_done(self, inst: SimInstance, now: float, took: float) -> float:
+        """When a prefill step that starts while the blocks still arrive ends: it runs each block
+        once it is in engine memory (and the engine is built), the block's share of the step by
+        its bytes (the worker's Engine.prefill_ahead, then the step after the last block)."""
+        total = sum(self.block_bytes)
+        t = max(now, inst.built_at)
+        for at, size in zip(inst.blocks_at, self.block_bytes):
+            t = max(t, at) + took * size / total
+        return t
 
     def _own_share(self, r: Request) -> float:
         """The share of `r`'s prefill this instance runs: all of it, less the blocks a live pair's
@@ -466,6 +513,7 @@ class Simulation:
                     r.generated += step
                     self.tokens_since[r.model] += step
             rows, inst.step_rows, inst.step_decodes = inst.step_rows, (), ()
+            inst.ahead_from = None
             for r, n in rows:
                 if r.instance != inst.iid or r not in inst.prefilling:
                     continue
@@ -826,6 +874,8 @@ class Simulation:
                 self.q.at(t, self._worker_event, inst.iid, op_id, lc.BlockInHost(b))
             engine = self.storage.to_engine(in_host, sizes, now)
         inst.compute_from = max(max(engine), build)
+        if load.serve_while_loading and self.cfg.prefill_ahead:
+            inst.blocks_at, inst.built_at = tuple(engine), build
         self.q.at(build, self._worker_event, inst.iid, op_id, lc.EngineBuilt())
         for b, t in enumerate(engine):
             self.q.at(t, self._worker_event, inst.iid, op_id, lc.BlockInEngine(b))

@@ -85,13 +85,14 @@ class BenchSetting:
     preset: str | None
     blocks: int
     modes: tuple[str, ...] = field(default=())
+    prefill_ahead: bool = False  # the workers ran prefills ahead of their loads (recorded since they do)
 
     def key(self) -> tuple:
         """What two runs must share to be runs of one setting (everything but the modes)."""
         return (self.transform, self.workers, self.max_instances, self.keep_alive_s, self.scale_down_delay_s,
                 self.target_concurrency, self.policy, tuple(sorted(self.policy_params.items())),
                 self.serverlessllm_keep_alive_s, self.emulated, self.link_mbit, self.disk_mbit, self.h2d_mbit,
-                self.cpu_quota, self.preset, self.blocks)
+                self.cpu_quota, self.preset, self.blocks, self.prefill_ahead)
 
 
 def _get(data: Mapping, path: str) -> object:
@@ -138,7 +139,7 @@ def bench_setting(data: Mapping) -> BenchSetting:
             emulated=bool(s.get("emulated")), link_mbit=_cap(emu.get("link_mbit")),
             disk_mbit=_cap(emu.get("disk_read_mbit")), h2d_mbit=_cap(emu.get("host_to_device_mbit")),
             cpu_quota=_cap(emu.get("cpu_quota")), preset=s.get("model_preset"), blocks=int(s.get("blocks") or 0),
-            modes=tuple(str(r["mode"]) for r in results))
+            modes=tuple(str(r["mode"]) for r in results), prefill_ahead=bool(s.get("prefill_ahead", False)))
     except KeyError as e:
         raise ValidationError(f"settings.{e.args[0]}: missing") from None
     except (TypeError, ValueError) as e:
@@ -154,7 +155,7 @@ def same_setting(settings: Sequence[BenchSetting]) -> BenchSetting:
         if other.key() != first.key():
             names = ("transform", "workers", "max_instances", "keep_alive_s", "scale_down_delay_s",
                      "target_concurrency", "policy", "policy_params", "serverlessllm_keep_alive_s", "emulated",
-                     "link_mbit", "disk_mbit", "h2d_mbit", "cpu_quota", "preset", "blocks")
+                     "link_mbit", "disk_mbit", "h2d_mbit", "cpu_quota", "preset", "blocks", "prefill_ahead")
             which = next(n for n, a, b in zip(names, first.key(), other.key()) if a != b)
             raise ValidationError(f"measured run {i} has another {which} than run 1: not runs of one setting")
     return first
@@ -166,7 +167,8 @@ def fleet_config(setting: BenchSetting, mode: str, *, tick_s: float = 0.1, seed:
         nodes=setting.workers, mode=mode, max_instances=setting.max_instances, keep_alive_s=setting.keep_alive_s,
         policy=setting.policy, target_concurrency=setting.target_concurrency,
         scale_down_delay_s=setting.scale_down_delay_s, tick_s=tick_s, slo_ttft_s=setting.slo_ttft_s,
-        slo_tpot_s=setting.slo_tpot_s, serverlessllm_keep_alive_s=setting.serverlessllm_keep_alive_s, seed=seed)
+        slo_tpot_s=setting.slo_tpot_s, serverlessllm_keep_alive_s=setting.serverlessllm_keep_alive_s, seed=seed,
+        prefill_ahead=setting.prefill_ahead)
 
 
 def check_profile(setting: BenchSetting, profile: SimProfile, measured_for: Mapping | None) -> list[str]:
@@ -308,6 +310,7 @@ class BurstSetting:
     disk_mbit: float | None
     h2d_mbit: float | None
     modes: tuple[str, ...]
+    prefill_ahead: bool = False  # as BenchSetting's
 
 
 def burst_setting(data: Mapping) -> BurstSetting:
@@ -321,7 +324,7 @@ def burst_setting(data: Mapping) -> BurstSetting:
         return BurstSetting(int(data["workers"]), int(data["from"]), int(data["to"]), int(data["burst"]),
                             int(data["max_tokens"]), _cap(prof.get("cpu_quota")), _cap(prof.get("link_mbit")),
                             _cap(prof.get("disk_read_mbit")), _cap(prof.get("host_to_device_mbit")),
-                            tuple(str(r["mode"]) for r in data["results"]))
+                            tuple(str(r["mode"]) for r in data["results"]), bool(data.get("prefill_ahead", False)))
     except KeyError as e:
         raise ValidationError(f"not a `layercast bench scale --json` result: no {e.args[0]}") from None
     except (TypeError, ValueError) as e:
@@ -346,7 +349,8 @@ def simulate_burst(setting: BurstSetting, mode: str, profile: SimProfile, *, pro
     from libs.sim.fleet import Simulation
 
     cfg = FleetConfig(nodes=setting.workers, mode=mode, min_instances=setting.from_n, max_instances=setting.to_n,
-                      keep_alive_s=1e9, tick_s=tick_s, seed=seed, horizon_after_s=600.0)
+                      keep_alive_s=1e9, tick_s=tick_s, seed=seed, horizon_after_s=600.0,
+                      prefill_ahead=setting.prefill_ahead)
     # bench scale decides once the deployment settled (its from-instances loaded: serverlessllm's from
     # disk), then 1 s more; the run is deterministic, so a first run without the burst says when.
     warmup = Simulation(cfg, profile, []).run()

@@ -12,7 +12,7 @@ from conftest_models import N_BLOCKS, arch, block_dir, hf_dir, load_all  # noqa:
 
 from libs.engine import Engine, SamplingSpec
 
-# Prompts of different lengths: a prefill step runs them as several passes (one chunk length each).
+# Prompts of different lengths: run ahead, they go as one pass per length.
 PROMPTS = {"long": list(range(3, 40)), "short": [5, 6, 7], "mid": [1, 17, 200, 45, 301, 99, 7, 450]}
 GREEDY = SamplingSpec(temperature=0, max_tokens=6)
 
@@ -80,11 +80,11 @@ def test_waiting_prefills_run_through_each_landed_block_and_give_the_loaded_engi
     assert engine.ahead_blocks == N_BLOCKS - 1
     source.landed.add(N_BLOCKS - 1)
     assert engine.runnable() and not engine.prefill_ahead()  # a runnable engine is stepped instead
-    # The step runs only the last block's layers of the passes run ahead. A pass takes the
-    # shortest prompt's length of each (the engine's batched chunks): the short prompt is in,
-    # and gives its first token; the others go on with their next chunks from here.
+    # The step runs only the last block's layers of the passes run ahead, each prompt whole (one
+    # pass per length; nothing decodes while the model loads, so no chunks): every prompt is in
+    # and gives its first token.
     first = engine.step()
-    assert [o.request_id for o in first] == ["short"]
+    assert sorted(o.request_id for o in first) == sorted(PROMPTS)
     assert engine.last_step is None  # part of a prefill: not a sample of the step-time profile
     assert drain(engine, {o.request_id: [o.token_id] for o in first}) == alone
 
@@ -119,7 +119,7 @@ def test_a_block_that_fails_to_load_stops_running_ahead_and_fails_the_step_as_be
         engine.step()
 
 
-def test_a_request_that_arrives_after_the_first_blocks_ran_is_prefilled_once_the_model_is_in(loaded, alone):
+def test_a_request_that_arrives_after_the_first_blocks_ran_catches_up_through_them(loaded, alone):
     index, blocks = loaded
     source = _Landing(blocks)
     engine = Engine(index, source, device="cpu", max_batch_size=4, max_seq_len=128)
@@ -127,5 +127,9 @@ def test_a_request_that_arrives_after_the_first_blocks_ran_is_prefilled_once_the
     source.landed.add(0)
     assert engine.prefill_ahead()
     engine.add_request("short", PROMPTS["short"], GREEDY)
+    assert engine.prefill_ahead()  # no new block: the late request's own pass runs block 0
+    assert not engine.prefill_ahead()
     source.landed.update(range(N_BLOCKS))
-    assert drain(engine) == {rid: alone[rid] for rid in ("long", "short")}
+    first = engine.step()  # both passes' last block: each prompt (alone in its pass) is in
+    assert [o.request_id for o in first] == ["long", "short"]
+    assert drain(engine, {o.request_id: [o.token_id] for o in first}) == {rid: alone[rid] for rid in ("long", "short")}

@@ -114,6 +114,26 @@ def test_serverlessllm_host_copy_leaves_after_its_keep_alive(profile, host_keep_
     assert (second["last_loaded_s"] > disk) is second_is_cold
     assert all(r.done is not None for r in res.requests)
 
+def test_a_serve_while_loading_instance_prefills_each_block_as_it_lands(profile):
+    """The worker's Engine.prefill_ahead, simulated: a request that reaches a layercast instance
+    still loading has only about its last block's share of the prefill left when
+    that block lands (each earlier block ran as it came); a stop-the-world (binomial) instance
+    runs all of it after its last block."""
+    trace = [(1.0, 2048, 4)]
+    profile = profile.with_values(h2d_gbytes_per_s=1)  # a 1 s copy into engine memory
+    sim = Simulation(cfg("layercast", nodes=1), profile, trace)
+    prefill = sim.compute.prefill_s(2048)
+    last_share = sim.block_bytes[-1] / sum(sim.block_bytes)
+    after = {}
+    for mode in ("layercast", "binomial"):
+        res = simulate(cfg(mode, nodes=1), profile, trace)
+        (op,), (r,) = res.scale_ops, res.requests
+        assert op["last_loaded_s"] > 2 * prefill  # the load outlasts the prefill
+        after[mode] = r.first_token - (op["decided"] + op["last_loaded_s"])
+    assert 0 <= after["layercast"] <= 1.5 * last_share * prefill + 0.002
+    assert after["binomial"] >= prefill
+
+
 # A warm instance, then a burst; 1 GB over 2 Gbit/s links: a chain target's load (4 s) outlasts the
 # 2 s TTFT SLO, so the planner pairs the serving instance with the slowest target (BlitzScale §5.2).
 WARM_BURST = [(11.0, 512, 32)] * 100
