@@ -61,6 +61,9 @@ FinishReason = Literal["stop", "length"]
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_TOKEN_BUDGET = 2048  # tokens per step: decodes first, prefill chunks with the rest
 DEFAULT_PREFILL_CHUNK = 512
+# Prompt tokens run ahead of a load at most (Engine.prefill_ahead): bounds the activations of one
+# batched pass; the rows beyond wait for the steps after the load.
+AHEAD_TOKEN_LIMIT = 16 * 1024
 
 
 class AdmissionError(Exception):
@@ -563,11 +566,16 @@ class Engine:
         return ran > 0
 
     def _whole_prompt_passes(self, waiting: list[_Request]) -> list[_Pass]:
-        """Every waiting row's whole context at once, one pass per length (rows never need
-        padding): nothing decodes while the model loads, so neither the step's token budget nor
-        the prefill chunk (which keep decodes' gaps short) has anything to protect."""
+        """Every waiting row's whole context at once (up to AHEAD_TOKEN_LIMIT tokens in all), one
+        pass per length (rows never need padding): nothing decodes while the model loads, so
+        neither the step's token budget nor the prefill chunk (which keep decodes' gaps short)
+        has anything to protect."""
         by_len: dict[int, list[_Request]] = {}
-        for r in waiting:
+        room = AHEAD_TOKEN_LIMIT - sum(a.pass_.q_len * len(a.pass_.requests) for a in self._ahead)
+        for r in waiting:  # in admission order, while they fit (a first row always does)
+            if len(r.pending) > room and (by_len or self._ahead):
+                break
+            room -= len(r.pending)
             by_len.setdefault(len(r.pending), []).append(r)
         passes = []
         for n, group in by_len.items():

@@ -64,6 +64,7 @@ EVICT_DRAIN_TIMEOUT_S = 30.0  # services/worker/sharing.py: an instance unloaded
 # simulator is pure and does not import the engine (torch); a unit test keeps these equal.
 ENGINE_TOKEN_BUDGET = 2048
 ENGINE_PREFILL_CHUNK = 512
+ENGINE_AHEAD_TOKEN_LIMIT = 16 * 1024  # AHEAD_TOKEN_LIMIT: prompt tokens run ahead of a load at most
 HOST, GPU, READY = m.Tier.host, m.Tier.gpu, m.ReplicaState.ready
 
 
@@ -442,7 +443,7 @@ class Simulation:
                 n = max(1, min(n, budget))
                 decodes = tuple(r for r in inst.decoding.values() if r.left > 1e-6)
                 # ahead of the load: every waiting prompt whole (Engine.prefill_ahead's passes)
-                step_rows = tuple((r, self._pending(r)) for r in waiting) if ahead else tuple((r, n) for r in rows)
+                step_rows = self._ahead_rows(waiting, ()) if ahead else tuple((r, n) for r in rows)
                 # a row whose first blocks ran on a live pair's target costs only its other blocks here
                 tokens = sum(k * self._own_share(r) for r, k in step_rows)
                 took = self.compute.prefill_s(max(1, round(tokens)), len(inst.workers), self._sharing(inst))
@@ -475,10 +476,24 @@ class Simulation:
         new = [r for r in inst.prefilling if r.rid not in stepping]
         if not new:
             return
-        inst.step_rows += tuple((r, self._pending(r)) for r in new)
+        inst.step_rows += self._ahead_rows(new, inst.step_rows)
         tokens = sum(n * self._own_share(r) for r, n in inst.step_rows)
         took = self.compute.prefill_s(max(1, round(tokens)), len(inst.workers), self._sharing(inst))
         inst.busy_until = self._ahead_done(inst, inst.ahead_from, took)
+
+    def _ahead_rows(self, waiting: Sequence[Request], taken: Sequence[tuple[Request, int]]
+                    ) -> tuple[tuple[Request, int], ...]:
+        """The prompts a step ahead of the load takes whole, in order while they fit the engine's
+        limit beside those it took already (a first one always does)."""
+        room = ENGINE_AHEAD_TOKEN_LIMIT - sum(n for _, n in taken)
+        rows = []
+        for r in waiting:
+            n = self._pending(r)
+            if n > room and (rows or taken):
+                break
+            room -= n
+            rows.append((r, n))
+        return tuple(rows)
 
     def _ahead_done(self, inst: SimInstance, now: float, took: float) -> float:
         """When a prefill step that starts while the blocks still arrive ends: it runs each block

@@ -133,3 +133,16 @@ def test_a_request_that_arrives_after_the_first_blocks_ran_catches_up_through_th
     first = engine.step()  # both passes' last block: each prompt (alone in its pass) is in
     assert [o.request_id for o in first] == ["long", "short"]
     assert drain(engine, {o.request_id: [o.token_id] for o in first}) == {rid: alone[rid] for rid in ("long", "short")}
+
+
+def test_rows_beyond_the_ahead_limit_wait_for_the_steps_after_the_load(loaded, alone, monkeypatch):
+    import libs.engine.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "AHEAD_TOKEN_LIMIT", 40)  # in order: long (37) and short (3) fit, mid not
+    engine, source = landing_engine(loaded)
+    source.landed.add(0)
+    assert engine.prefill_ahead()
+    source.landed.update(range(N_BLOCKS))
+    first = engine.step()  # only the passes run ahead
+    assert sorted(o.request_id for o in first) == ["long", "short"]
+    assert drain(engine, {o.request_id: [o.token_id] for o in first}) == alone

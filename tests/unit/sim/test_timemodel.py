@@ -117,10 +117,11 @@ def test_prompts_waiting_together_share_the_engines_step(profile):
 
 
 def test_the_simulators_engine_step_is_the_engines():
-    from libs.engine.engine import DEFAULT_PREFILL_CHUNK, DEFAULT_TOKEN_BUDGET
-    from libs.sim.fleet import ENGINE_PREFILL_CHUNK, ENGINE_TOKEN_BUDGET
+    from libs.engine.engine import AHEAD_TOKEN_LIMIT, DEFAULT_PREFILL_CHUNK, DEFAULT_TOKEN_BUDGET
+    from libs.sim.fleet import ENGINE_AHEAD_TOKEN_LIMIT, ENGINE_PREFILL_CHUNK, ENGINE_TOKEN_BUDGET
 
     assert (ENGINE_TOKEN_BUDGET, ENGINE_PREFILL_CHUNK) == (DEFAULT_TOKEN_BUDGET, DEFAULT_PREFILL_CHUNK)
+    assert ENGINE_AHEAD_TOKEN_LIMIT == AHEAD_TOKEN_LIMIT
 
 
 def test_each_row_of_an_iteration_pays_the_token_overhead():
