@@ -458,7 +458,7 @@ class Simulation:
                 self.q.at(inst.busy_until, self._prefilled, inst.iid, inst.version)
                 return
         elif inst.prefilling and inst.busy_until > now + EPS:
-            if inst.ahead_from is not None:
+            if inst.ahead_from is not None and now < inst.compute_from:  # once all is in, it waits its turn
                 self._join_ahead(inst)
             self.q.at(inst.busy_until, self._prefilled, inst.iid, inst.version)
             return
