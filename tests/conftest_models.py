@@ -65,3 +65,15 @@ def two_tiny_llamas(root: Path) -> dict[str, Path]:
         convert_checkpoint(hf, root / name / "blocks", 2)
         out[name] = root / name / "blocks"
     return out
+
+
+def drain_tokens(engine, out: dict[str, list[int]] | None = None, max_steps: int = 2000) -> dict[str, list[int]]:
+    """Step an engine until it is idle: each request's token ids, appended to `out` (holding the
+    tokens a test already took from it, if any)."""
+    out = {} if out is None else out
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return out
+        for o in engine.step():
+            out.setdefault(o.request_id, []).append(o.token_id)
+    raise AssertionError("engine did not finish")

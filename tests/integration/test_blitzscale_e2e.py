@@ -74,7 +74,8 @@ async def deploy_and_pair(client, planner: PlannerService, index: CheckpointInde
 
 
 async def ready_loaded(client) -> list[m.InstanceInfo]:  # noqa: F811
-    return [i for i in (await view_of(client)).instances if i.state == m.InstanceState.ready and i.loaded_at is not None]
+    return [i for i in (await view_of(client)).instances
+            if i.state == m.InstanceState.ready and i.loaded_at is not None]
 
 
 async def host_copies(client, n_blocks: int) -> set[str]:  # noqa: F811
@@ -182,7 +183,7 @@ async def test_a_scale_out_during_a_live_pair_sends_nothing_from_the_pairs_worke
                                                        max_instances=4, start_later=("w-b", "w-c", "w-d"))
         assert pair.source_worker == "w-a"
         op = await planner.reconcile(m.ScaleRequest(model="demo", desired_instances=4, reason="more load"))
-        assert so.open_live_pairs(planner.ops.values()), "the first scale-out's pair ended before the second was planned"
+        assert so.open_live_pairs(planner.ops.values()), "the first pair ended before the second scale-out was planned"
         assert op is not None and op.plan["kind"] == "multicast" and op.plan["sources"], op.plan
         (target,) = op.plan["targets"]
         assert target not in first_op.plan["targets"] and target != "w-a", (first_op.plan, op.plan)

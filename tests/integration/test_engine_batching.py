@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest_models import arch, hf_dir, reference_model  # noqa: F401  (fixtures)
+from conftest_models import arch, drain_tokens, hf_dir, reference_model  # noqa: F401  (fixtures)
 
 from libs.checkpoint import CheckpointIndex, convert_checkpoint, load_block
 from libs.engine import AdmissionError, Engine, LayerRange, LocalStage, RemoteStage, SamplingSpec, StageServer
@@ -48,16 +48,6 @@ def expected(hf_dir) -> list[list[int]]:
     return outs
 
 
-def drain(engine: Engine, max_steps: int = 2000) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return out
-        for o in engine.step():
-            out.setdefault(o.request_id, []).append(o.token_id)
-    raise AssertionError("engine did not finish")
-
-
 def greedy(n: int = MAX_NEW) -> SamplingSpec:
     return SamplingSpec(temperature=0, max_tokens=n)
 
@@ -65,7 +55,7 @@ def greedy(n: int = MAX_NEW) -> SamplingSpec:
 def run_all(engine: Engine) -> list[list[int]]:
     for i, p in enumerate(PROMPTS):  # concurrent: one batched decode per step
         engine.add_request(f"r{i}", p, greedy())
-    out = drain(engine)
+    out = drain_tokens(engine)
     return [out[f"r{i}"] for i in range(len(PROMPTS))]
 
 
@@ -82,7 +72,7 @@ def test_hand_over_by_kv_recompute_continues_exactly(four_blocks, expected, at):
     engine = Engine.from_checkpoint(four_blocks, splits=(2,), max_batch_size=8, max_seq_len=128, eos_token_ids=())
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"m{i}", p, greedy(), generated_ids=expected[i][:at])
-    out = drain(engine)
+    out = drain_tokens(engine)
     assert [expected[i][:at] + out[f"m{i}"] for i in range(len(PROMPTS))] == expected
 
 
@@ -91,11 +81,11 @@ def test_two_stage_catch_up_then_release(four_blocks, expected):
     engine = Engine.from_checkpoint(four_blocks, max_batch_size=4, max_seq_len=128, eos_token_ids=())
     want = expected[0]
     engine.add_request("m", PROMPTS[0], greedy(), generated_ids=want[:3], hold=True)
-    assert drain(engine) == {}  # prefilled, held: no tokens while the source still decodes
+    assert drain_tokens(engine) == {}  # prefilled, held: no tokens while the source still decodes
     engine.catch_up("m", want[3:6])
-    assert drain(engine) == {}
+    assert drain_tokens(engine) == {}
     engine.release("m")
-    assert want[:6] + drain(engine)["m"] == want
+    assert want[:6] + drain_tokens(engine)["m"] == want
 
 
 def test_chunked_prefill_mixed_with_decodes_gives_the_same_tokens(four_blocks, expected):
@@ -104,7 +94,7 @@ def test_chunked_prefill_mixed_with_decodes_gives_the_same_tokens(four_blocks, e
     engine.add_request("r0", PROMPTS[0], greedy())
     engine.step()  # r0 prefills in chunks of 4 and starts decoding; r3 (37 tokens) joins mid-way
     engine.add_request("r3", PROMPTS[3], greedy())
-    out = drain(engine)
+    out = drain_tokens(engine)
     assert out["r0"] == expected[0] and out["r3"] == expected[3]
 
 
@@ -124,7 +114,7 @@ def test_flood_beyond_the_kv_budget_is_queued_or_refused_and_nothing_is_lost(fou
             assert "full" in str(e)
             refused.append(i)
     assert len(accepted) == 8 and len(refused) == 4  # 3 running + 5 queued
-    out = drain(engine)
+    out = drain_tokens(engine)
     assert {f"f{i}": expected[i % 4] for i in accepted} == out
     assert index.n_blocks == 4
 
@@ -394,7 +384,7 @@ def test_n_choices_over_a_remote_stage_fork_its_kv_there(four_blocks, expected):
     want = []
     for c in range(3):
         local.add_request(f"s{c}", PROMPTS[0], SamplingSpec(temperature=1.0, max_tokens=MAX_NEW, seed=3 + c))
-        want.append(drain(local)[f"s{c}"])
+        want.append(drain_tokens(local)[f"s{c}"])
     with TcpTransport("entry") as t, TcpTransport("host") as h:
         server = StageServer(h, {"entry": t.address})
         try:

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from conftest_models import N_BLOCKS, arch, block_dir, hf_dir, load_all  # noqa: F401  (fixtures)
+from conftest_models import N_BLOCKS, arch, block_dir, drain_tokens, hf_dir, load_all  # noqa: F401  (fixtures)
 
 from libs.engine import Engine, LayerRange, SamplingSpec
 from libs.engine.livepair import PrefillFront
@@ -20,16 +20,6 @@ PROMPTS = [[1, 17, 200, 45, 301, 99, 7, 450, 12, 64], [5, 6], [300, 2, 9, 44, 81
 GREEDY = SamplingSpec(temperature=0, max_tokens=8)
 
 
-def drain(engine: Engine, out: dict[str, list[int]] | None = None, max_steps: int = 500) -> dict[str, list[int]]:
-    out = {} if out is None else out
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return out
-        for o in engine.step():
-            out.setdefault(o.request_id, []).append(o.token_id)
-    raise AssertionError("engine did not finish")
-
-
 def staggered(engine: Engine) -> dict[str, list[int]]:
     """Requests arriving over several steps, so that successive prefill batches differ."""
     out: dict[str, list[int]] = {}
@@ -38,7 +28,7 @@ def staggered(engine: Engine) -> dict[str, list[int]]:
         if i % 2:
             for o in engine.step():
                 out.setdefault(o.request_id, []).append(o.token_id)
-    return drain(engine, out)
+    return drain_tokens(engine, out)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +125,7 @@ def test_the_zigzag_splitter_grows_the_split_as_blocks_land_and_the_pair_dissolv
         if len(arriving.landed) == N_BLOCKS:
             engine.unpair()  # every block held: the pair dissolves, the target becomes a normal instance
     assert not engine.paired
-    assert drain(engine, out) == alone
+    assert drain_tokens(engine, out) == alone
     assert splitter.splits[:2] == [1, 2] and splitter.splits == sorted(splitter.splits)
     assert front.kv.free_slots == front.kv.slots  # the dissolution left nothing on the target
 
@@ -154,7 +144,7 @@ def test_a_pair_ended_mid_prefill_finishes_it_on_the_source_alone(block_dir, alo
     assert mid, "a prompt longer than a chunk is mid-prefill"
     engine.unpair()  # the target is gone: its front KV of the first chunks is already on the source
     calls = len(front.calls)
-    assert drain(engine, out) == alone
+    assert drain_tokens(engine, out) == alone
     assert len(front.calls) == calls and front.kv.free_slots == front.kv.slots
 
 

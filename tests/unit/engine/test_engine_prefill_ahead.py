@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest_models import N_BLOCKS, arch, block_dir, hf_dir, load_all  # noqa: F401  (fixtures)
+from conftest_models import N_BLOCKS, arch, block_dir, drain_tokens, hf_dir, load_all  # noqa: F401  (fixtures)
 
 from libs.engine import Engine, SamplingSpec
 
@@ -34,16 +34,6 @@ class _Landing:
         return self.blocks[b]
 
 
-def drain(engine: Engine, out: dict[str, list[int]] | None = None, max_steps: int = 200) -> dict[str, list[int]]:
-    out = {} if out is None else out
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return out
-        for o in engine.step():
-            out.setdefault(o.request_id, []).append(o.token_id)
-    raise AssertionError("the engine did not finish")
-
-
 @pytest.fixture
 def loaded(block_dir):  # noqa: F811
     return load_all(block_dir)
@@ -56,7 +46,7 @@ def alone(loaded) -> dict[str, list[int]]:
     engine = Engine(index, blocks, device="cpu", max_batch_size=4, max_seq_len=128)
     for rid, prompt in PROMPTS.items():
         engine.add_request(rid, prompt, GREEDY)
-    return drain(engine)
+    return drain_tokens(engine)
 
 
 def landing_engine(loaded, fail: int | None = None) -> tuple[Engine, _Landing]:
@@ -86,7 +76,7 @@ def test_waiting_prefills_run_through_each_landed_block_and_give_the_loaded_engi
     first = engine.step()
     assert sorted(o.request_id for o in first) == sorted(PROMPTS)
     assert engine.last_step is None  # part of a prefill: not a sample of the step-time profile
-    assert drain(engine, {o.request_id: [o.token_id] for o in first}) == alone
+    assert drain_tokens(engine, {o.request_id: [o.token_id] for o in first}) == alone
 
 
 def test_a_request_cancelled_meanwhile_leaves_the_others_tokens_unchanged(loaded, alone):
@@ -96,7 +86,7 @@ def test_a_request_cancelled_meanwhile_leaves_the_others_tokens_unchanged(loaded
     assert engine.cancel("mid")
     assert engine.free_slots == engine.max_batch_size - 2  # its slot is free again
     source.landed.update(range(N_BLOCKS))
-    got = drain(engine)
+    got = drain_tokens(engine)
     assert got == {rid: alone[rid] for rid in ("long", "short")}
 
 
@@ -106,7 +96,7 @@ def test_a_kv_resize_meanwhile_runs_the_prefills_again_with_the_same_tokens(load
     assert engine.prefill_ahead()
     engine.resize_kv(6)  # slots move: the KV written ahead would not follow, so it is run again
     source.landed.update(range(N_BLOCKS))
-    assert drain(engine) == alone
+    assert drain_tokens(engine) == alone
 
 
 def test_a_block_that_fails_to_load_stops_running_ahead_and_fails_the_step_as_before(loaded):
@@ -132,7 +122,8 @@ def test_a_request_that_arrives_after_the_first_blocks_ran_catches_up_through_th
     source.landed.update(range(N_BLOCKS))
     first = engine.step()  # both passes' last block: each prompt (alone in its pass) is in
     assert [o.request_id for o in first] == ["long", "short"]
-    assert drain(engine, {o.request_id: [o.token_id] for o in first}) == {rid: alone[rid] for rid in ("long", "short")}
+    got = drain_tokens(engine, {o.request_id: [o.token_id] for o in first})
+    assert got == {rid: alone[rid] for rid in ("long", "short")}
 
 
 def test_rows_beyond_the_ahead_limit_wait_for_the_steps_after_the_load(loaded, alone, monkeypatch):
@@ -145,4 +136,4 @@ def test_rows_beyond_the_ahead_limit_wait_for_the_steps_after_the_load(loaded, a
     source.landed.update(range(N_BLOCKS))
     first = engine.step()  # only the passes run ahead
     assert sorted(o.request_id for o in first) == ["long", "short"]
-    assert drain(engine, {o.request_id: [o.token_id] for o in first}) == alone
+    assert drain_tokens(engine, {o.request_id: [o.token_id] for o in first}) == alone
