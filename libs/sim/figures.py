@@ -167,6 +167,7 @@ def fig_burst(p: SimProfile, ns: Sequence[int] = (8, 16, 64),
                 key: {m: (round(o["layercast"] / o[m], 3) if o.get(m) and o["layercast"] is not None else None)
                       for m in o if m != "layercast"} for key, o in over.items()}
     return {"rows": rows, "over_layercast": ratios, **out,
+            "from_one_warm": burst_from_one_warm(p, ns, modes, n_requests, prompt, output, max_batches),
             "setting": {"requests": n_requests, "prompt_tokens": prompt, "output_tokens": output,
                         "warm_instances": 0, "host_copies": "one (none for serverlessllm)",
                         "target_concurrency": 1},
@@ -174,6 +175,37 @@ def fig_burst(p: SimProfile, ns: Sequence[int] = (8, 16, 64),
                       "claim": "all 50 requests start in 1.1 s, 2x / 1.4x / 8x faster than FaaSNet / NCCL / "
                                "ServerlessLLM", "layercast_s": 1.1,
                       "over_layercast": {"faasnet": 2.0, "serverlessllm": 8.0}}}
+
+
+def burst_from_one_warm(p: SimProfile, ns: Sequence[int], modes: Sequence[str], n_requests: int, prompt: int,
+                        output: int, max_batches: Sequence[int]) -> dict:
+    """`bench scale --burst`'s own setting at paper scale (issue 41's figures): one instance
+    serves, then the planner is asked for N at the instant the burst arrives
+    (libs.sim.validate.simulate_burst, as `simulate --validate` replays the benchmark). Per mode
+    the whole burst's first tokens and new capacity's first token; with `ideal`, each mode's
+    overhead over it and layercast's against binomial's and serverlessllm's."""
+    from libs.sim.validate import BurstSetting, simulate_burst
+
+    out: dict = {}
+    for slots in max_batches:
+        prof = p.with_values(max_batch=slots)
+        for n in ns:
+            setting = BurstSetting(workers=n, from_n=1, to_n=n, burst=n_requests, max_tokens=output, cpu_quota=None,
+                                   link_mbit=None, disk_mbit=None, h2d_mbit=None, modes=tuple(modes),
+                                   prefill_ahead=True)
+            got = {m: simulate_burst(setting, m, prof, prompt_tokens=prompt) for m in modes}
+            row: dict = {m: {k: (None if v is None else round(v, 4)) for k, v in r.items()} for m, r in got.items()}
+            if "ideal" in got and "layercast" in got:
+                over = {m: got[m]["burst_first_token_s"] - got["ideal"]["burst_first_token_s"] for m in got
+                        if m != "ideal"}
+                row["overhead_over_ideal_s"] = {m: round(v, 4) for m, v in over.items()}
+                row["layercast_overhead_over"] = {m: round(over["layercast"] / v, 3) for m, v in over.items()
+                                                  if m != "layercast" and v > 0}
+                mine, theirs = (got.get(m, {}).get("new_capacity_first_token_s") for m in ("layercast", "binomial"))
+                if mine is not None and theirs:
+                    row["layercast_over_binomial_new_capacity_first_token"] = round(mine / theirs, 3)
+            out[f"max_batch={slots} n={n}"] = row
+    return out
 
 
 def fig_placement(p: SimProfile, rates: Sequence[float] = (0.05, 0.1, 0.2, 0.3), workers: int = 8, models: int = 16,

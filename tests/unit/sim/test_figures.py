@@ -65,6 +65,23 @@ def test_the_burst_figure_gives_each_modes_overhead_over_ideal(profile):
     assert ratio == pytest.approx(over["layercast"] / over["serverlessllm"], abs=1e-3)
 
 
+def test_the_burst_figure_replays_bench_scale_from_one_warm_instance(profile):
+    """`bench scale --burst`'s own setting (one instance serving, the planner asked for N as the
+    burst arrives), as `simulate --validate` replays it: each mode's overheads over ideal, and
+    new capacity's first token, which binomial's whole copies never give sooner than layercast's
+    targets that prefill while their blocks arrive (here both come from the pool copy's local load)."""
+    d = fig_burst(profile, ns=(8,), modes=("layercast", "binomial", "ideal"), max_batches=(8,))
+    row = d["from_one_warm"]["max_batch=8 n=8"]
+    firsts = {m: row[m]["burst_first_token_s"] for m in ("layercast", "binomial", "ideal")}
+    assert row["overhead_over_ideal_s"] == {m: pytest.approx(firsts[m] - firsts["ideal"], abs=1e-3)
+                                            for m in ("layercast", "binomial")}
+    assert row["layercast_overhead_over"]["binomial"] == pytest.approx(
+        row["overhead_over_ideal_s"]["layercast"] / row["overhead_over_ideal_s"]["binomial"], abs=1e-3)
+    assert row["layercast"]["new_capacity_first_token_s"] <= row["binomial"]["new_capacity_first_token_s"]
+    assert row["layercast_over_binomial_new_capacity_first_token"] == pytest.approx(
+        row["layercast"]["new_capacity_first_token_s"] / row["binomial"]["new_capacity_first_token_s"], abs=1e-3)
+
+
 def test_locality_aware_placement_avoids_the_ssd_and_random_does_not(profile, monkeypatch):
     d = fig_placement(profile, rates=(0.05,), requests=200)
     r = d["rows"][0]
