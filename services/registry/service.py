@@ -27,6 +27,8 @@ UNREACHABLE = Counter("layercast_registry_worker_unreachable_deaths_total",
                       "registry's own check agreed (libs/planning/liveness.py)")
 UNREACHABLE_REPORTS = Counter("layercast_registry_unreachable_reports_total",
                               "WorkerUnreachable reports by what became of them", ["verdict"])
+STALE_HEARTBEATS = Counter("layercast_registry_stale_heartbeats_total",
+                           "Heartbeats a worker sent before it was declared dead that came after: ignored")
 
 PROBE_TIMEOUT_S = 1.0  # a connect to a worker's data-plane address not answered by then: cannot tell
 
@@ -42,6 +44,9 @@ class RegistryService(Service):
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.liveness_rule = liveness_rule
         self._unreachable: dict[str, tuple[liveness.Report, ...]] = {}  # worker -> reports that count
+        # worker -> when it was last declared dead: a heartbeat sent before that (late in the bus)
+        # is its dead incarnation's, and must not bring it back to life
+        self._died_at: dict[str, float] = {}
         self.engine = None
         self.store: RegistryStore | None = None
         self._changed = asyncio.Event()  # the store counted a change not yet announced
@@ -96,8 +101,10 @@ class RegistryService(Service):
         if dead:
             (EXPIRED if named is None else EXITED if exited is not None else UNREACHABLE).inc(len(dead))
             failed = await self.store.stop_instances_on([w.worker_id for w in dead])
+            died_at = time.time()
             for w in dead:
                 self._unreachable.pop(w.worker_id, None)
+                self._died_at[w.worker_id] = died_at
                 if named is None:
                     log.warning("worker %s expired (no heartbeat for %.1fs)", w.worker_id, self.heartbeat_ttl_s)
                 elif exited is not None:
@@ -162,6 +169,10 @@ class RegistryService(Service):
         @b.subscriber(subjects.EVENT_HEARTBEAT)
         @on_event(m.Heartbeat)
         async def heartbeat(hb: m.Heartbeat) -> None:
+            if hb.sent_at < self._died_at.get(hb.worker_id, 0.0):
+                STALE_HEARTBEATS.inc()
+                log.info("a heartbeat worker %s sent before it was declared dead came late: ignored", hb.worker_id)
+                return
             await self.store.upsert_worker(hb)
 
         @b.subscriber(subjects.REGISTRY_MODEL_DEPLOY)

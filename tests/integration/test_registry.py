@@ -116,6 +116,33 @@ async def test_heartbeats_keep_a_worker_alive_and_their_absence_expires_it(datab
         await reg.stop()
 
 
+async def test_a_heartbeat_sent_before_a_workers_death_does_not_bring_it_back(database_url, nats_url, client):
+    """Its supervisor saw the process exit; a heartbeat it sent just before, delivered late (a
+    busy registry, a queue in the bus), would mark it alive again, and the next report of its
+    death would count it dead twice. Only a heartbeat sent after the death re-admits it (a
+    restarted worker's, as after an expiry)."""
+    reg = await started(database_url, nats_url, ttl=60.0)
+    try:
+        await call(client, subjects.REGISTRY_WORKER_REGISTER, registration("w1"), m.WorkerInfo)
+        before_death = m.Heartbeat(**registration("w1").model_dump())  # sent_at: now, before the exit
+        await asyncio.sleep(0.01)
+        ack = await call(client, subjects.REGISTRY_WORKER_EXITED, m.WorkerExited(worker_id="w1", reason="killed"),
+                         m.CommandAck)
+        assert ack.accepted and ack.detail == "dead"
+        await publish(client, subjects.EVENT_HEARTBEAT, before_death)
+        await asyncio.sleep(0.3)
+        view = await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
+        assert view.workers == []
+        again = await call(client, subjects.REGISTRY_WORKER_EXITED, m.WorkerExited(worker_id="w1"), m.CommandAck)
+        assert not again.accepted  # already dead: counted once
+        await publish(client, subjects.EVENT_HEARTBEAT, m.Heartbeat(**registration("w1").model_dump()))
+        await asyncio.sleep(0.3)
+        view = await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
+        assert [w.worker_id for w in view.workers] == ["w1"]
+    finally:
+        await reg.stop()
+
+
 async def test_worker_expiry_fails_its_instances(database_url, nats_url, client):
     reg = await started(database_url, nats_url, ttl=0.5)
     try:
