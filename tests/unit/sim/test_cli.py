@@ -102,3 +102,24 @@ def test_the_simulator_stays_within_issue_39s_tolerances_of_the_committed_quiet_
     assert out["profile_warnings"] == []
     beyond = [(m["mode"], k, f["rel_err"]) for m in out["modes"] for k, f in m["figures"].items() if f["within"] is False]
     assert beyond == [] and out["verdicts"]["within"] == 12
+
+
+S5_RUNS = [str(REPO / "docs" / "bench_trace" / f"code_4workers_cpu04_s5_run{i}.json") for i in (1, 2, 3)]
+S5_PROFILE = str(REPO / "libs" / "sim" / "profiles" / "measured-here-small40k-cpu04-s5-serving.json")
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="the shared trace the committed runs replayed")
+def test_the_simulated_execute_while_loading_stays_within_tolerance_of_the_runs_made_with_it():
+    """Session 4's runs, the workers running prefills ahead of their loads (settings.prefill_ahead),
+    against a profile measured just before them: every layercast figure within issue 39's
+    tolerances (its TTFT p99 is where execute-while-load shows, 2.05 s simulated against 2.23-2.33 s
+    measured; simulated without it, the p99 goes beyond), and 11 of 12 in all (serverlessllm's
+    mean scale-out is 16 % over, its runs' range 13.8-19.4 s)."""
+    r = CliRunner().invoke(app, ["simulate", str(SHARED), "--validate", "--profile", S5_PROFILE,
+                                 "--measured", *S5_RUNS, "--modes", "layercast,binomial,serverlessllm", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout[r.stdout.index("{"):])
+    assert out["profile_warnings"] == []
+    layercast = next(m for m in out["modes"] if m["mode"] == "layercast")["figures"]
+    assert all(layercast[k]["within"] for k in ("instance_seconds", "scale_out_s", "ttft_p50", "ttft_p99"))
+    assert out["verdicts"]["within"] >= 11
