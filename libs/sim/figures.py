@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from libs.planning.chain import Gpu, chain_plan_over_nodes
@@ -158,14 +158,11 @@ def fig_burst(p: SimProfile, ns: Sequence[int] = (8, 16, 64),
               for b in max_batches for n in ns}
     out: dict = {}
     if "ideal" in modes:
-        over = {f"max_batch={b} n={n}": {m: (round(by[(b, n, m)] - by[(b, n, "ideal")], 4)
-                                            if by[(b, n, m)] is not None and by[(b, n, "ideal")] is not None else None)
-                                        for m in modes if m != "ideal"} for b in max_batches for n in ns}
-        out["overhead_over_ideal_s"] = over
+        per_key = {f"max_batch={b} n={n}": over_ideal({m: by[(b, n, m)] for m in modes})
+                   for b in max_batches for n in ns}
+        out["overhead_over_ideal_s"] = {key: o["overhead_over_ideal_s"] for key, o in per_key.items()}
         if "layercast" in modes:
-            out["layercast_overhead_over"] = {
-                key: {m: (round(o["layercast"] / o[m], 3) if o.get(m) and o["layercast"] is not None else None)
-                      for m in o if m != "layercast"} for key, o in over.items()}
+            out["layercast_overhead_over"] = {key: o["layercast_overhead_over"] for key, o in per_key.items()}
     return {"rows": rows, "over_layercast": ratios, **out,
             "from_one_warm": burst_from_one_warm(p, ns, modes, n_requests, prompt, output, max_batches),
             "setting": {"requests": n_requests, "prompt_tokens": prompt, "output_tokens": output,
@@ -175,6 +172,20 @@ def fig_burst(p: SimProfile, ns: Sequence[int] = (8, 16, 64),
                       "claim": "all 50 requests start in 1.1 s, 2x / 1.4x / 8x faster than FaaSNet / NCCL / "
                                "ServerlessLLM", "layercast_s": 1.1,
                       "over_layercast": {"faasnet": 2.0, "serverlessllm": 8.0}}}
+
+
+def over_ideal(first: Mapping[str, float | None]) -> dict:
+    """Whole-burst first-token times per mode (`ideal` among them) as issue 41 reads them: each
+    mode's overhead over ideal's (s) and, with layercast, its overhead as a multiple of the others'
+    (None where a figure is missing or the other's overhead is 0)."""
+    over = {m: (round(t - first["ideal"], 4) if t is not None and first["ideal"] is not None else None)
+            for m, t in first.items() if m != "ideal"}
+    out: dict = {"overhead_over_ideal_s": over}
+    if "layercast" in over:
+        out["layercast_overhead_over"] = {
+            m: (round(over["layercast"] / v, 3) if v and over["layercast"] is not None else None)
+            for m, v in over.items() if m != "layercast"}
+    return out
 
 
 def burst_from_one_warm(p: SimProfile, ns: Sequence[int], modes: Sequence[str], n_requests: int, prompt: int,
@@ -196,11 +207,7 @@ def burst_from_one_warm(p: SimProfile, ns: Sequence[int], modes: Sequence[str], 
             got = {m: simulate_burst(setting, m, prof, prompt_tokens=prompt) for m in modes}
             row: dict = {m: {k: (None if v is None else round(v, 4)) for k, v in r.items()} for m, r in got.items()}
             if "ideal" in got and "layercast" in got:
-                over = {m: got[m]["burst_first_token_s"] - got["ideal"]["burst_first_token_s"] for m in got
-                        if m != "ideal"}
-                row["overhead_over_ideal_s"] = {m: round(v, 4) for m, v in over.items()}
-                row["layercast_overhead_over"] = {m: round(over["layercast"] / v, 3) for m, v in over.items()
-                                                  if m != "layercast" and v > 0}
+                row |= over_ideal({m: r["burst_first_token_s"] for m, r in got.items()})
                 mine, theirs = (got.get(m, {}).get("new_capacity_first_token_s") for m in ("layercast", "binomial"))
                 if mine is not None and theirs:
                     row["layercast_over_binomial_new_capacity_first_token"] = round(mine / theirs, 3)
