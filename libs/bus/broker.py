@@ -190,13 +190,21 @@ async def call(broker: NatsBroker, subject: str, request: BaseModel, reply_model
     started can have its subscription still on the way to the server. Past that, a missing
     responder fails fast, so a dead worker is noticed without waiting out the timeout.
     """
+    body = await request_body(broker, subject, request.model_dump(mode="json"), timeout)
+    return parse_reply(subject, body, reply_model)
+
+
+async def request_body(broker: NatsBroker, subject: str, body: Any, timeout: float = 5.0,
+                       grace: float = NO_RESPONDER_GRACE_S) -> Any:
+    """Send `body` as it is (any JSON value, or bytes: what `call` cannot send, e.g. a malformed
+    request) and return the answer's decoded body. "No responders" is retried for `grace`
+    seconds: a responder whose NATS connection is being re-established answers again then."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    grace_until = loop.time() + min(NO_RESPONDER_GRACE_S, timeout)
+    grace_until = loop.time() + min(grace, timeout)
     while True:
         try:
-            response = await broker.request(request.model_dump(mode="json"), subject,
-                                            timeout=max(deadline - loop.time(), 0.001))
+            response = await broker.request(body, subject, timeout=max(deadline - loop.time(), 0.001))
             break
         except Exception as e:
             name = type(e).__name__
@@ -208,7 +216,7 @@ async def call(broker: NatsBroker, subject: str, request: BaseModel, reply_model
             if name == "TimeoutError":
                 raise TimeoutError(f"no answer on {subject} within {timeout}s") from e
             raise
-    return parse_reply(subject, await response.decode(), reply_model)
+    return await response.decode()
 
 
 def parse_reply(subject: str, body: Any, reply_model: type[R]) -> R:

@@ -9,7 +9,7 @@ import pytest
 from alembic import command
 from sqlalchemy import create_engine, text
 
-from libs.bus.broker import RemoteError, call, publish
+from libs.bus.broker import RemoteError, call, publish, request_body
 from libs.db.session import alembic_config, migrate, sync_url
 from libs.protocol import messages as m
 from libs.protocol import subjects
@@ -146,9 +146,8 @@ async def test_a_broken_profile_is_refused_naming_its_field_and_nothing_is_store
         with pytest.raises(RemoteError, match="no profile"):
             await call(client, subjects.REGISTRY_PROFILE_GET, ref, m.ModelProfile)
         # A body that is not a ModelProfile at all (an unknown device kind) is refused before the handler.
-        reply = await client.request({**profile().model_dump(mode="json"), "device": "tpu"},
-                                     subjects.REGISTRY_PROFILE_PUT, timeout=2)
-        body = await reply.decode()
+        body = await request_body(client, subjects.REGISTRY_PROFILE_PUT,
+                                  {**profile().model_dump(mode="json"), "device": "tpu"}, timeout=15, grace=15)
         assert body["code"] == "invalid" and "ModelProfile" in body["error"] and "device" in body["error"]
     finally:
         await reg.stop()

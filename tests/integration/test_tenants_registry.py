@@ -7,7 +7,7 @@ import hashlib
 import psycopg
 import pytest
 
-from libs.bus.broker import RemoteError, call
+from libs.bus.broker import RemoteError, call, request_body
 from libs.db.session import make_engine, migrate
 from libs.db.store import RegistryStore
 from libs.protocol import messages as m
@@ -109,7 +109,7 @@ async def test_malformed_key_and_usage_messages_are_refused_and_the_registry_goe
         }
         for subject, bodies in bad.items():
             for body in bodies:
-                reply = await (await client.request(body, subject, timeout=15)).decode()
+                reply = await request_body(client, subject, body, timeout=15, grace=15)
                 assert reply["code"] == "invalid" and "malformed" in reply["error"], (subject, body, reply)
         # Nothing was stored, and the registry still answers.
         assert (await call(client, subjects.REGISTRY_KEY_LIST, m.ListApiKeys(), m.ApiKeyList)).keys == []
