@@ -194,9 +194,14 @@ def burst_from_one_warm(p: SimProfile, ns: Sequence[int], modes: Sequence[str], 
     serves, then the planner is asked for N at the instant the burst arrives
     (libs.sim.validate.simulate_burst, as `simulate --validate` replays the benchmark). Per mode
     the whole burst's first tokens and new capacity's first token; with `ideal`, each mode's
-    overhead over it and layercast's against binomial's and serverlessllm's."""
+    overhead over it and layercast's against binomial's and serverlessllm's, and the bound on new
+    capacity (the whole model's copy into one new instance at the fastest rate there is)."""
     from libs.sim.validate import BurstSetting, simulate_burst
 
+    # The earliest any new instance holds the whole model: the parameter pool's host copy off the
+    # serving worker is a target too (both modes load it locally), else the fastest link. No mode's
+    # new capacity can serve sooner, so bound / binomial's is the best ratio layercast could show.
+    bound_s = p.model_bytes / max(p.h2d_gbytes_per_s * 1e9, p.link_gbps * 1e9 / 8)
     out: dict = {}
     for slots in max_batches:
         prof = p.with_values(max_batch=slots)
@@ -209,8 +214,10 @@ def burst_from_one_warm(p: SimProfile, ns: Sequence[int], modes: Sequence[str], 
             if "ideal" in got and "layercast" in got:
                 row |= over_ideal({m: r["burst_first_token_s"] for m, r in got.items()})
                 mine, theirs = (got.get(m, {}).get("new_capacity_first_token_s") for m in ("layercast", "binomial"))
+                row["new_capacity_bound_s"] = round(bound_s, 4)
                 if mine is not None and theirs:
                     row["layercast_over_binomial_new_capacity_first_token"] = round(mine / theirs, 3)
+                    row["bound_over_binomial_new_capacity_first_token"] = round(bound_s / theirs, 3)
             out[f"max_batch={slots} n={n}"] = row
     return out
 

@@ -11,7 +11,10 @@ What is layercast's own code, unchanged (imported, called as the services call i
   are the operation's own :func:`~libs.planning.pipelines.pipelines_to_form` / ``_retire``);
 * the worker's instance lifecycle :func:`libs.planning.instance.step` (when an instance serves,
   admits a request, drains, stops);
-* the gateway's routing order (:mod:`libs.planning.sharing`).
+* the gateway's routing order (:mod:`libs.planning.sharing`);
+* the planner's parameter-pool check (:func:`libs.planning.pool.plan_pool_fills`, admitted by
+  :func:`libs.planning.scaleop.admit_pool_fill`, every ``Timers.pool_check_s``): the pool's host
+  copy moves off the workers serving the model, over the fabric from its holder.
 
 What is modelled (libs.sim.timemodel): how long transfers, disk reads, copies to engine memory,
 prefills and decode iterations take, and the control plane's latencies. What is simplified
@@ -49,6 +52,7 @@ from dataclasses import dataclass, field
 
 from libs.planning import autoscale, instance as lc, scaleop as so
 from libs.planning.livepair import PrefillSplitter, leading_blocks
+from libs.planning.pool import plan_pool_fills
 from libs.planning.scaleout import SERVERLESSLLM_KEEP_ALIVE_S, ScaleIn, ScalePlan, decide, mode_spec
 from libs.planning.sharing import sharing_setting
 from libs.protocol import messages as m
@@ -175,6 +179,8 @@ class RunResult:
     # live pairs formed / refused, and each paired prefill's blocks run on the target (BlitzScale §5.2)
     pairs: dict = field(default_factory=dict)
     evicted: int = 0  # sharing=dedicated: instances unloaded for another model's load
+    # the parameter pool's fills (the planner's check_pool): model, worker, sent_s, done_s, from_peers
+    pool_fills: list[dict] = field(default_factory=list)
 
 
 class Simulation:
@@ -239,7 +245,7 @@ class Simulation:
         # live pairs: source instance -> (target instance, its splitter); request -> blocks run on a target
         self.pairs: dict[str, tuple[str, PrefillSplitter]] = {}
         self.fronted: dict[str, int] = {}
-        self.pair_stats = {"formed": 0, "refused": 0, "splits": []}
+        self.pair_stats = {"formed": 0, "refused": 0, "splits": [], "splits_by_pair": defaultdict(list)}
         # sharing=dedicated: loads waiting on a worker for another model's instances to stop
         self.dedicated = sharing_setting(cfg.sharing).one_model_per_worker
         self.room_wait: dict[str, list[tuple[str, str, m.LoadModel]]] = defaultdict(list)
@@ -275,6 +281,10 @@ class Simulation:
         self.last_request: dict[str, float] = {}
         self.series: list[tuple[float, int]] = [(0.0, 0)]
         self.closed_ops: list[dict] = []
+        # The planner's parameter-pool check (services/planner/service.py check_pool), every pool_check_s.
+        self.pool_sent: so.PoolFills = {}
+        self.pool_fills: list[dict] = []
+        self.next_pool_check = 0.0
         self.last_arrival = max((t for t, _, _ in requests), default=0.0)
         self.q.at(0.0, self._tick)
         if cfg.min_instances:
@@ -601,6 +611,9 @@ class Simulation:
 
     def _tick(self) -> None:
         self._monitor()
+        if self.q.now >= self.next_pool_check:
+            self.next_pool_check = self.q.now + so.Timers().pool_check_s
+            self._check_pool()
         if self.q.now < self.last_arrival + self.cfg.horizon_after_s and not self._over():
             self.q.after(self.cfg.tick_s, self._tick)
 
@@ -622,6 +635,37 @@ class Simulation:
             req = m.ScaleRequest.model_construct(model=d.model, desired_instances=d.desired, reason=d.reason,
                                                  sent_at=now, version=1)
             self.q.after(self.ctl.nats_hop_s + self.ctl.registry_read_s, self._reconcile, req)
+
+    # ------------------------------------------------------------------ the parameter pool
+    def _check_pool(self) -> None:
+        """The planner's check_pool: the fills that keep each model's complete host copy off the
+        workers serving it (libs.planning.pool), admitted as the planner admits them."""
+        open_models = {op.info.model for op in self.ops.values() if not op.ended}
+        for model, fill in plan_pool_fills(self.view(), open_models):
+            self.pool_sent, send = so.admit_pool_fill(self.pool_sent, model.name, fill.worker, open_models,
+                                                      self.q.now)
+            if send:
+                self._fill(model.name, fill.worker, fill.from_peers, fill.from_disk)
+
+    def _fill(self, model: str, worker: str, from_peers: dict[int, str], from_disk: tuple[int, ...]) -> None:
+        """A pool fill's blocks land in `worker`'s host tier: each peer sends its blocks one after
+        another over the fabric (one TransferPart per peer), the rest come from the worker's disk."""
+        start = self.q.now + self.ctl.call_s
+        done = start
+        by_peer: dict[str, list[int]] = defaultdict(list)
+        for b, peer in sorted(from_peers.items()):
+            by_peer[peer].append(b)
+        for peer, blocks in by_peer.items():
+            t, rate = start, self.fabric.rate_Bps(peer, worker)
+            for b in blocks:
+                t += self.block_bytes[b] / rate + self.p.step_overhead_s
+                self.q.at(t, self._replica, model, worker, b, HOST, True)
+            done = max(done, t)
+        for b, t in zip(from_disk, self.storage.disk_reads([self.block_bytes[b] for b in from_disk], start)):
+            self.q.at(t, self._replica, model, worker, b, HOST, True)
+            done = max(done, t)
+        self.pool_fills.append({"model": model, "worker": worker, "sent_s": self.q.now, "done_s": done,
+                                "from_peers": len(from_peers)})
 
     # ------------------------------------------------------------------ planner
     def _reconcile(self, req: m.ScaleRequest) -> None:
@@ -810,6 +854,7 @@ class Simulation:
         k = splitter([r.rid])
         self.fronted[r.rid] = k
         self.pair_stats["splits"].append(k)
+        self.pair_stats["splits_by_pair"][f"{inst.iid}->{pair[0]}"].append(k)
         if k <= 0:
             return None
         # the target's share of the prefill, then its hidden state and KV back (one call)
@@ -1038,7 +1083,7 @@ class Simulation:
         if self.evicted:
             self.notes.append(f"sharing=dedicated: {self.evicted} instances unloaded for another model's load")
         return RunResult(self.cfg.mode, self.requests, self.series, self.closed_ops, self.q.processed,
-                         min(end, self.q.now), self.notes, dict(self.pair_stats), self.evicted)
+                         min(end, self.q.now), self.notes, dict(self.pair_stats), self.evicted, self.pool_fills)
 
 
 def profiled_capacity_tps(profile: SimProfile, mean_prompt: float, mean_output: float) -> float:

@@ -352,9 +352,11 @@ def simulate_burst(setting: BurstSetting, mode: str, profile: SimProfile, *, pro
                       keep_alive_s=1e9, tick_s=tick_s, seed=seed, horizon_after_s=600.0,
                       prefill_ahead=setting.prefill_ahead)
     # bench scale decides once the deployment settled (its from-instances loaded: serverlessllm's from
-    # disk), then 1 s more; the run is deterministic, so a first run without the burst says when.
+    # disk; the parameter pool's copies in place), then 1 s more; the run is deterministic, so a
+    # first run without the burst says when.
     warmup = Simulation(cfg, profile, []).run()
-    settled = max((o["done_s"] + o["decided"] for o in warmup.scale_ops), default=0.0)
+    settled = max([o["done_s"] + o["decided"] for o in warmup.scale_ops] + [f["done_s"] for f in warmup.pool_fills],
+                  default=0.0)
     t0 = max(BURST_WARM_S, settled + 1.0)
     sim = Simulation(cfg, profile, [(t0, prompt_tokens, setting.max_tokens)] * setting.burst)
     warm: set[str] = set()

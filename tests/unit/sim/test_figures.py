@@ -68,8 +68,8 @@ def test_the_burst_figure_gives_each_modes_overhead_over_ideal(profile):
 def test_the_burst_figure_replays_bench_scale_from_one_warm_instance(profile):
     """`bench scale --burst`'s own setting (one instance serving, the planner asked for N as the
     burst arrives), as `simulate --validate` replays it: each mode's overheads over ideal, and
-    new capacity's first token, which binomial's whole copies never give sooner than layercast's
-    targets that prefill while their blocks arrive (here both come from the pool copy's local load)."""
+    new capacity's first token, which no mode gives before a new instance could hold the whole
+    model (here both modes' come from the pool copy's local load)."""
     d = fig_burst(profile, ns=(8,), modes=("layercast", "binomial", "ideal"), max_batches=(8,))
     row = d["from_one_warm"]["max_batch=8 n=8"]
     firsts = {m: row[m]["burst_first_token_s"] for m in ("layercast", "binomial", "ideal")}
@@ -77,7 +77,12 @@ def test_the_burst_figure_replays_bench_scale_from_one_warm_instance(profile):
                                             for m in ("layercast", "binomial")}
     assert row["layercast_overhead_over"]["binomial"] == pytest.approx(
         row["overhead_over_ideal_s"]["layercast"] / row["overhead_over_ideal_s"]["binomial"], abs=1e-3)
-    assert row["layercast"]["new_capacity_first_token_s"] <= row["binomial"]["new_capacity_first_token_s"]
+    new = {m: row[m]["new_capacity_first_token_s"] for m in ("layercast", "binomial")}
+    assert row["new_capacity_bound_s"] == pytest.approx(
+        profile.model_bytes / max(profile.h2d_gbytes_per_s * 1e9, profile.link_gbps * 1e9 / 8), abs=1e-3)
+    assert 0 < row["new_capacity_bound_s"] < min(new.values())
+    assert row["bound_over_binomial_new_capacity_first_token"] == pytest.approx(
+        row["new_capacity_bound_s"] / new["binomial"], abs=1e-3)
     assert row["layercast_over_binomial_new_capacity_first_token"] == pytest.approx(
         row["layercast"]["new_capacity_first_token_s"] / row["binomial"]["new_capacity_first_token_s"], abs=1e-3)
 

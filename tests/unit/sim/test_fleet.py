@@ -147,12 +147,13 @@ def test_blitzscale_live_pairs_run_the_first_blocks_of_prefills_on_the_loading_t
     on_target = [k for k in res.pairs["splits"] if k > 0]
     assert on_target and max(on_target) <= slow.n_blocks // 2  # the splitter's cap: half the model
     assert all(r.done is not None for r in res.requests)
-    # ZigZag's split grows with the blocks the target holds; "fixed" keeps its first one
+    # ZigZag's split grows with the blocks the target holds; "fixed" keeps each pair's first one
     fixed = simulate(cfg("blitzscale-fixed", min_instances=1), slow, WARM_BURST)
-    assert fixed.pairs["formed"] >= 1 and len({k for k in fixed.pairs["splits"] if k > 0}) == 1
+    assert fixed.pairs["formed"] >= 1 and fixed.pairs["splits_by_pair"]
+    assert all(len({k for k in ks if k > 0}) <= 1 for ks in fixed.pairs["splits_by_pair"].values())
     assert len(set(on_target)) > 1
     nopairs = simulate(cfg("blitzscale-nopairs", min_instances=1), slow, WARM_BURST)
-    assert nopairs.pairs == {"formed": 0, "refused": 0, "splits": []}
+    assert nopairs.pairs == {"formed": 0, "refused": 0, "splits": [], "splits_by_pair": {}}
 
 
 def test_the_split_is_the_real_prefill_splitters(profile, monkeypatch):
@@ -207,3 +208,15 @@ def test_bad_configs_are_refused(profile):
     with pytest.raises(ValueError, match="leaves"):
         FleetConfig(nodes=2, mode="layercast", leaves=3)
     assert profile.max_batch == 8
+
+
+def test_the_parameter_pool_keeps_a_host_copy_off_the_serving_worker(profile):
+    """The planner's pool check (libs.planning.pool): once an instance serves where the only host
+    copy is, a copy is sent to another worker over the fabric, so a scale-out from one instance has
+    two sources (the real `bench scale` waits for it before deciding). serverlessllm keeps no pool."""
+    res = simulate(cfg("layercast", nodes=4, min_instances=1, keep_alive_s=1e9), profile, [(20.0, 128, 4)])
+    (fill,) = res.pool_fills
+    assert fill["from_peers"] == profile.n_blocks and fill["done_s"] > fill["sent_s"]
+    assert fill["worker"] != "w0000"  # the deploy's copy is there, and the first instance loads from it
+    assert all(r.done is not None for r in res.requests)
+    assert simulate(cfg("serverlessllm", nodes=4, min_instances=1), profile, [(20.0, 128, 4)]).pool_fills == []
