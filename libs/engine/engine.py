@@ -45,6 +45,7 @@ from typing import Literal
 import torch
 
 from libs.checkpoint import CheckpointIndex, load_block
+from libs.planning.ahead import AHEAD_TOKEN_LIMIT, ahead_passes, passes_to_finish
 from libs.planning.microbatches import MicroBatch, MicroBatchSchedule
 
 from .grammar import Constraint, grammar_tokenizer
@@ -61,9 +62,6 @@ FinishReason = Literal["stop", "length"]
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_TOKEN_BUDGET = 2048  # tokens per step: decodes first, prefill chunks with the rest
 DEFAULT_PREFILL_CHUNK = 512
-# Prompt tokens run ahead of a load at most (Engine.prefill_ahead): bounds the activations of one
-# batched pass; the rows beyond wait for the steps after the load.
-AHEAD_TOKEN_LIMIT = 16 * 1024
 
 
 class AdmissionError(Exception):
@@ -535,8 +533,8 @@ class Engine:
         step once every block is in runs only the rest, so their first tokens come about one
         block's compute after the last block rather than a whole prefill after. A request that
         comes later catches up through the landed blocks in its own pass. Never waits for a
-        block (the worker's engine thread calls it between other engines' steps); False when it
-        computed nothing. One local stage only (a pipeline's stages are loaded before it serves;
+        block (the worker's engine thread calls it between other engines' steps); runs one pass a
+        call, the first admitted that is behind; False when it computed nothing. One local stage only (a pipeline's stages are loaded before it serves;
         a live pair's source holds every block)."""
         if (self._ahead_failed or self._front is not None or len(self.stages) != 1
                 or not isinstance(self.stages[0], LocalStage) or self.runnable()):
@@ -551,50 +549,66 @@ class Engine:
         waiting = [r for r in self._active.values() if r.pending and r.parent is None and r.key not in ahead_rows]
         for p in self._whole_prompt_passes(waiting):
             self._ahead.append(_Ahead(p, p.inputs, stage.model.block_start))
-        ran = 0
+        # One pass a call, the first admitted that is behind: it runs through the blocks landed
+        # before later passes do, so the steps after the load finish it first; the engine
+        # thread calls again at once while this returns True.
+        front = max((a.done for a in self._ahead), default=stage.model.block_start)
+        a = next((a for a in self._ahead if a.done < upto), None)
+        if a is None:
+            return False
         try:
-            for a in self._ahead:
-                if a.done < upto:
-                    a.x = stage.forward_blocks(a.pass_.ids, a.x, a.pass_.q_len, (a.done, upto))
-                    ran, a.done = max(ran, upto - a.done), upto
+            a.x = stage.forward_blocks(a.pass_.ids, a.x, a.pass_.q_len, (a.done, upto))
         except Exception as e:  # a block that failed to load: the step after the load fails as before
             log.warning("prefill ahead of the load stopped: %s", e)
             self._drop_ahead()
             self._ahead_failed = True
             return False
-        self.ahead_blocks += ran
-        return ran > 0
+        a.done = upto
+        self.ahead_blocks += max(0, upto - front)  # blocks run ahead by the foremost pass
+        return True
 
     def _whole_prompt_passes(self, waiting: list[_Request]) -> list[_Pass]:
-        """Every waiting row's whole context at once (up to AHEAD_TOKEN_LIMIT tokens in all), one
-        pass per length (rows never need padding): nothing decodes while the model loads, so
-        neither the step's token budget nor the prefill chunk (which keep decodes' gaps short)
-        has anything to protect."""
-        by_len: dict[int, list[_Request]] = {}
+        """The waiting rows' whole contexts, up to AHEAD_TOKEN_LIMIT tokens in all, in passes of
+        one length (no padding) and at most a step's budget (libs.planning.ahead): nothing decodes
+        while the model loads, so the prefill chunk (which keeps decodes' gaps short) has nothing
+        to protect, and the steps after the load finish the passes a budget at a time."""
         room = AHEAD_TOKEN_LIMIT - sum(a.pass_.q_len * len(a.pass_.requests) for a in self._ahead)
-        for r in waiting:  # in admission order, while they fit (a first row always does)
-            if len(r.pending) > room and (by_len or self._ahead):
-                break
-            room -= len(r.pending)
-            by_len.setdefault(len(r.pending), []).append(r)
+        groups = ahead_passes([len(r.pending) for r in waiting], room, self.token_budget, first_fits=not self._ahead)
         passes = []
-        for n, group in by_len.items():
+        for group in groups:
+            rows = [waiting[i] for i in group]
             chunks = []
-            for r in group:
+            for r in rows:
                 chunks.append(r.pending)
                 r.pending = []
-            passes.append(_Pass(group, torch.tensor(chunks, device=self.device), n,
-                                sample=tuple(not r.output_ids for r in group), prefill=True))
+            passes.append(_Pass(rows, torch.tensor(chunks, device=self.device), len(chunks[0]),
+                                sample=tuple(not r.output_ids for r in rows), prefill=True))
         return passes
 
     def _finish_ahead(self) -> list[TokenOutput]:
-        """The passes run ahead, through their remaining blocks (waiting for any still arriving)."""
-        ahead, self._ahead = self._ahead, []
+        """A step once every block is in: the running rows' decode pass, and the passes run ahead
+        that fit the rest of the budget (first admitted first, at least one, only those as far
+        along as the first; a pass counts its tokens times the share of the layers it has left:
+        libs.planning.ahead) through their remaining blocks; the others wait for the next steps."""
+        ahead_rows = {r.key for a in self._ahead for r in a.pass_.requests}
+        decoding = [r for r in self._active.values() if not r.pending and not r.held and r.output_ids
+                    and r.parent is None and r.key not in ahead_rows]
+        passes = []
+        for group in _split(decoding, self.micro_batches):
+            ids = torch.tensor([[r.output_ids[-1]] for r in group], device=self.device)
+            passes.append(_Pass(group, ids, 1, sample=(True,) * len(group)))
+        outs = [self._forward(p.ids, p.inputs, p.q_len) for p in passes]
+        # A pass costs its tokens times the share of the layers it has left.
         stage = self.stages[0]
-        outs = [stage.forward_blocks(a.pass_.ids, a.x, a.pass_.q_len, (a.done, stage.model.block_end),
-                                     logits_to_keep=1) for a in ahead]
-        self.last_step = None  # only part of the model ran: no sample for the live profile (StepShape)
-        return self._sampled([a.pass_ for a in ahead], outs)
+        blocks = stage.model.block_end - stage.model.block_start
+        k = passes_to_finish([a.pass_.q_len * len(a.pass_.requests) for a in self._ahead],
+                             [(stage.model.block_end - a.done) / blocks for a in self._ahead],
+                             self.token_budget - len(decoding))
+        done, self._ahead = self._ahead[:k], self._ahead[k:]
+        outs += [stage.forward_blocks(a.pass_.ids, a.x, a.pass_.q_len, (a.done, stage.model.block_end),
+                                      logits_to_keep=1) for a in done]
+        self.last_step = None  # only part of the model ran for some rows: no sample for the live profile
+        return self._sampled(passes + [a.pass_ for a in done], outs)
 
     def _drop_ahead(self) -> None:
         """Forget the passes run ahead: their chunks go back to their rows, to be prefilled again

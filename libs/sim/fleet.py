@@ -25,11 +25,15 @@ waiting prompts, shortest remainder first: `_schedule`); workers never fail.
 
 Execute while loading (the worker's Engine.prefill_ahead; FleetConfig.prefill_ahead): a
 serve-while-loading instance's prefill step that starts before its last block is in engine
-memory takes every waiting prompt whole (nothing decodes yet, so no token budget and no
-chunks) and runs each block once it has landed, the block's share of the step by its bytes
-(`_ahead_done`); prompts that come meanwhile join that step as the engine's late passes catch
-up through the landed blocks (`_join_ahead`; their compute counts from the step's start, a
-small optimism when the load is much longer than the prefill, as it is on a GPU).
+memory takes the waiting prompts whole, in the engine's passes (libs.planning.ahead: nothing
+decodes yet, so no chunks), and runs them through each block but the last once it has landed,
+one pass at a time, the first admitted that is behind (a block's share of a pass's compute by its
+bytes), until every block is in; then the step finishes the passes that fit the token budget,
+first admitted first, and the other rows go on in the next steps with the rest of their prefill
+(`_ahead_done`, `_prefilled`). Prompts that come meanwhile join that step
+as the engine's late passes catch up through the landed blocks (`_join_ahead`; their compute
+counts from the step's start, a small optimism when the load is much longer than the prefill, as
+it is on a GPU).
 
 Live pairs (BlitzScale §5.2, modes blitzscale / blitzscale-fixed): the planner's pairs
 (:func:`libs.planning.scaleout.plan_live_pairs`, carried by the scale operation) reach both
@@ -51,6 +55,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from libs.planning import autoscale, instance as lc, scaleop as so
+from libs.planning.ahead import AHEAD_TOKEN_LIMIT, ahead_passes, passes_to_finish
 from libs.planning.livepair import PrefillSplitter, leading_blocks
 from libs.planning.pool import plan_pool_fills
 from libs.planning.scaleout import SERVERLESSLLM_KEEP_ALIVE_S, ScaleIn, ScalePlan, decide, mode_spec
@@ -68,7 +73,6 @@ EVICT_DRAIN_TIMEOUT_S = 30.0  # services/worker/sharing.py: an instance unloaded
 # simulator is pure and does not import the engine (torch); a unit test keeps these equal.
 ENGINE_TOKEN_BUDGET = 2048
 ENGINE_PREFILL_CHUNK = 512
-ENGINE_AHEAD_TOKEN_LIMIT = 16 * 1024  # AHEAD_TOKEN_LIMIT: prompt tokens run ahead of a load at most
 HOST, GPU, READY = m.Tier.host, m.Tier.gpu, m.ReplicaState.ready
 
 
@@ -153,6 +157,9 @@ class SimInstance:
     blocks_at: tuple[float, ...] = ()
     built_at: float = 0.0
     ahead_from: float | None = None  # the prefill step in progress runs ahead of the load, from then
+    ahead_groups: list = field(default_factory=list)  # its passes (libs.planning.ahead): indices into step_rows
+    ahead_left: dict = field(default_factory=dict)  # rid -> the share of its prefill left once every block is in
+    ahead_first: frozenset = frozenset()  # the rows (ids) the first step after the load finishes
     prefilling: deque = field(default_factory=deque)  # requests waiting for / in their prefill
     decoding: dict = field(default_factory=dict)  # rid -> Request
     busy_until: float = 0.0  # the prefill step in progress ends
@@ -464,6 +471,7 @@ class Simulation:
                 inst.busy_until = start + took
                 if ahead:
                     inst.ahead_from = now
+                    inst.ahead_groups = self._ahead_groups(step_rows, 0)
                     inst.busy_until = self._ahead_done(inst, now, took)
                 self.q.at(inst.busy_until, self._prefilled, inst.iid, inst.version)
                 return
@@ -486,7 +494,9 @@ class Simulation:
         new = [r for r in inst.prefilling if r.rid not in stepping]
         if not new:
             return
-        inst.step_rows += self._ahead_rows(new, inst.step_rows)
+        joined = self._ahead_rows(new, inst.step_rows)
+        inst.ahead_groups = inst.ahead_groups + self._ahead_groups(joined, len(inst.step_rows))
+        inst.step_rows += joined
         tokens = sum(n * self._own_share(r) for r, n in inst.step_rows)
         took = self.compute.prefill_s(max(1, round(tokens)), len(inst.workers), self._sharing(inst))
         inst.busy_until = self._ahead_done(inst, inst.ahead_from, took)
@@ -494,26 +504,51 @@ class Simulation:
     def _ahead_rows(self, waiting: Sequence[Request], taken: Sequence[tuple[Request, int]]
                     ) -> tuple[tuple[Request, int], ...]:
         """The prompts a step ahead of the load takes whole, in order while they fit the engine's
-        limit beside those it took already (a first one always does)."""
-        room = ENGINE_AHEAD_TOKEN_LIMIT - sum(n for _, n in taken)
-        rows = []
-        for r in waiting:
-            n = self._pending(r)
-            if n > room and (rows or taken):
-                break
-            room -= n
-            rows.append((r, n))
-        return tuple(rows)
+        limit beside those it took already (a first one always does): libs.planning.ahead."""
+        pending = [self._pending(r) for r in waiting]
+        room = AHEAD_TOKEN_LIMIT - sum(n for _, n in taken)
+        passes = ahead_passes(pending, room, ENGINE_TOKEN_BUDGET, first_fits=not taken)
+        return tuple((waiting[i], pending[i]) for i in sorted(i for p in passes for i in p))
 
-    def _ahead_done(self, inst: SimInstance, now: float, took: float) -> float:
-        """When a prefill step that starts while the blocks still arrive ends: it runs each block
-        once it is in engine memory (and the engine is built), the block's share of the step by
-        its bytes (the worker's Engine.prefill_ahead, then the step after the last block)."""
-        total = sum(self.block_bytes)
-        t = max(now, inst.built_at)
-        for at, size in zip(inst.blocks_at, self.block_bytes):
-            t = max(t, at) + took * size / total
-        return t
+    @staticmethod
+    def _ahead_groups(rows: Sequence[tuple[Request, int]], offset: int) -> list[list[int]]:
+        """The engine's passes over `rows` (a pass per length, at most a step's budget), as
+        indices into the step's rows, which hold `offset` rows before these."""
+        passes = ahead_passes([n for _, n in rows], float("inf"), ENGINE_TOKEN_BUDGET, first_fits=True)
+        return [[offset + i for i in p] for p in passes]
+
+    def _ahead_done(self, inst: SimInstance, start: float, took: float) -> float:
+        """When the first step after the load ends, for a prefill that runs ahead of it
+        (Engine.prefill_ahead): one pass at a time, the first admitted that is behind, runs
+        through every block but the last that has landed in engine memory (once the engine is
+        built), a block's share of the pass's compute by its bytes, until every block is in; then
+        the step finishes the passes that fit its budget through their remaining blocks
+        (libs.planning.ahead), their rows' first tokens at its end. The other rows go on in the
+        steps after with the rest of their prefill (`_prefilled`); `took` is the whole step's
+        compute, each pass's share by its tokens."""
+        total, nb = sum(self.block_bytes), len(self.block_bytes)
+        cum = [0.0]
+        for size in self.block_bytes:
+            cum.append(cum[-1] + size / total)
+        tokens = [sum(inst.step_rows[i][1] for i in g) for g in inst.ahead_groups]
+        whole = max(1, sum(tokens))
+        compute = [took * n / whole for n in tokens]
+        done = [0] * len(tokens)  # blocks each pass has run
+        t = max(start, inst.built_at)
+        while t < inst.compute_from - EPS:
+            landed = next((k for k, at in enumerate(inst.blocks_at[:nb - 1]) if at > t + EPS), nb - 1)
+            g = next((g for g, d in enumerate(done) if d < landed), None)
+            if g is None:  # every pass is through what has landed: the next block, or the load's end
+                t = inst.blocks_at[landed] if landed < nb - 1 else inst.compute_from
+                continue
+            t += compute[g] * (cum[landed] - cum[done[g]])
+            done[g] = landed
+        t = max(t, inst.compute_from)
+        left = [1.0 - cum[d] for d in done]
+        k = passes_to_finish(tokens, left, ENGINE_TOKEN_BUDGET)
+        inst.ahead_left = {inst.step_rows[i][0].rid: f for g, f in zip(inst.ahead_groups, left) for i in g}
+        inst.ahead_first = frozenset(inst.step_rows[i][0].rid for g in inst.ahead_groups[:k] for i in g)
+        return t + sum(c * f for c, f in zip(compute[:k], left[:k]))
 
     def _own_share(self, r: Request) -> float:
         """The share of `r`'s prefill this instance runs: all of it, less the blocks a live pair's
@@ -538,11 +573,13 @@ class Simulation:
                     r.generated += step
                     self.tokens_since[r.model] += step
             rows, inst.step_rows, inst.step_decodes = inst.step_rows, (), ()
-            inst.ahead_from = None
+            # a step ahead of the load: the rows it did not finish ran all but `ahead_left` of theirs
+            ahead, left, first_rows = inst.ahead_from is not None, inst.ahead_left, inst.ahead_first
+            inst.ahead_from, inst.ahead_groups, inst.ahead_left, inst.ahead_first = None, [], {}, frozenset()
             for r, n in rows:
                 if r.instance != inst.iid or r not in inst.prefilling:
                     continue
-                r.prefilled += n
+                r.prefilled += n if not ahead or r.rid in first_rows else int(n * (1.0 - left.get(r.rid, 1.0)))
                 if r.prefilled >= (r.recompute or r.prompt):
                     inst.prefilling.remove(r)
                     self.fronted.pop(r.rid, None)

@@ -215,9 +215,10 @@ class EngineRuntime:
                     CANCELLED.inc()
 
     def _run(self) -> None:
+        ahead = False  # the last round ran a prefill ahead of a load: there may be more to run at once
         while not self._stopping:
             pending = [e for e in self._engines.values() if e.has_work()]
-            busy = any(e.runnable() for e in pending)
+            busy = ahead or any(e.runnable() for e in pending)
             out: list = []
             try:
                 # Block only when idle (bounded while an engine waits for blocks); otherwise drain
@@ -237,10 +238,12 @@ class EngineRuntime:
                 pass
             for instance_id in self._to_step():
                 self._step(instance_id, self._engines[instance_id], out)
+            ahead = False
             for engine in self._engines.values():
                 if engine.has_work() and not engine.runnable():
                     before = engine.ahead_blocks
-                    if engine.prefill_ahead():  # the blocks landed since: never waits for one
+                    if engine.prefill_ahead():  # one pass through the blocks landed: never waits for one
+                        ahead = True
                         PREFILL_AHEAD.inc(engine.ahead_blocks - before)
             self._emit(out)
 

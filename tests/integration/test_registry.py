@@ -106,8 +106,9 @@ async def test_heartbeats_keep_a_worker_alive_and_their_absence_expires_it(datab
         assert [e.worker_id for e in expired] == ["w2"]
         dead = await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(include_dead=True), m.ClusterView)
         assert {w.worker_id: w.state for w in dead.workers} == {"w1": "alive", "w2": "dead"}
-        # A heartbeat from an expired worker re-admits it.
-        await publish(client, subjects.EVENT_HEARTBEAT, m.Heartbeat(**registration("w2").model_dump()))
+        # A heartbeat from an expired worker re-admits it (w1 heartbeats on: its TTL is short).
+        for worker_id in ("w1", "w2"):
+            await publish(client, subjects.EVENT_HEARTBEAT, m.Heartbeat(**registration(worker_id).model_dump()))
         await asyncio.sleep(0.2)
         view = await call(client, subjects.REGISTRY_CLUSTER, m.GetCluster(), m.ClusterView)
         assert {w.worker_id for w in view.workers} == {"w1", "w2"}

@@ -58,13 +58,22 @@ def landing_engine(loaded, fail: int | None = None) -> tuple[Engine, _Landing]:
     return engine, source
 
 
+def run_ahead(engine: Engine) -> int:
+    """Call prefill_ahead until it has nothing to run, as the worker's engine thread does: the passes it ran."""
+    calls = 0
+    while engine.prefill_ahead():
+        calls += 1
+    return calls
+
+
 def test_waiting_prefills_run_through_each_landed_block_and_give_the_loaded_engines_tokens(loaded, alone):
     engine, source = landing_engine(loaded)
     assert not engine.prefill_ahead()  # nothing landed: nothing to run, nothing waited for
     for b in range(N_BLOCKS - 1):
         source.landed.add(b)
-        assert engine.prefill_ahead() and engine.ahead_blocks == b + 1
-        assert not engine.prefill_ahead()  # nothing new landed
+        assert engine.prefill_ahead() and engine.ahead_blocks == b + 1  # the first admitted pass first
+        assert run_ahead(engine) == len(PROMPTS) - 1  # then the others (one per length), one a call
+        assert engine.ahead_blocks == b + 1  # blocks run ahead, not passes
         assert engine.has_work() and not engine.runnable()
     # Every block but the last has run for every prompt before the last one lands.
     assert engine.ahead_blocks == N_BLOCKS - 1
@@ -82,7 +91,7 @@ def test_waiting_prefills_run_through_each_landed_block_and_give_the_loaded_engi
 def test_a_request_cancelled_meanwhile_leaves_the_others_tokens_unchanged(loaded, alone):
     engine, source = landing_engine(loaded)
     source.landed.add(0)
-    assert engine.prefill_ahead()
+    assert run_ahead(engine)
     assert engine.cancel("mid")
     assert engine.free_slots == engine.max_batch_size - 2  # its slot is free again
     source.landed.update(range(N_BLOCKS))
@@ -93,7 +102,7 @@ def test_a_request_cancelled_meanwhile_leaves_the_others_tokens_unchanged(loaded
 def test_a_kv_resize_meanwhile_runs_the_prefills_again_with_the_same_tokens(loaded, alone):
     engine, source = landing_engine(loaded)
     source.landed.add(0)
-    assert engine.prefill_ahead()
+    assert run_ahead(engine)
     engine.resize_kv(6)  # slots move: the KV written ahead would not follow, so it is run again
     source.landed.update(range(N_BLOCKS))
     assert drain_tokens(engine) == alone
@@ -132,8 +141,33 @@ def test_rows_beyond_the_ahead_limit_wait_for_the_steps_after_the_load(loaded, a
     monkeypatch.setattr(engine_mod, "AHEAD_TOKEN_LIMIT", 40)  # in order: long (37) and short (3) fit, mid not
     engine, source = landing_engine(loaded)
     source.landed.add(0)
-    assert engine.prefill_ahead()
+    assert run_ahead(engine) == 2
     source.landed.update(range(N_BLOCKS))
     first = engine.step()  # only the passes run ahead
     assert sorted(o.request_id for o in first) == ["long", "short"]
     assert drain_tokens(engine, {o.request_id: [o.token_id] for o in first}) == alone
+
+
+def test_the_steps_after_the_load_finish_the_passes_run_ahead_a_budget_at_a_time_first_admitted_first(
+        loaded, alone):
+    """Once every block is in, a step finishes only the passes that fit its token budget (each
+    counting its tokens times the layers it has left): the first admitted prompt's token comes
+    after its own remaining compute, not the whole batch's (libs.planning.ahead)."""
+    index, blocks = loaded
+    source = _Landing(blocks)
+    # 8 tokens a step: "long" (37 tokens, a third of its layers left: 12.3) goes alone, then
+    # "short" and "mid" (1 and 2.7) fit beside long's decode.
+    engine = Engine(index, source, device="cpu", max_batch_size=4, max_seq_len=128, token_budget=8)
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(rid, prompt, GREEDY)
+    source.landed.update(range(N_BLOCKS - 1))
+    assert run_ahead(engine) and engine.ahead_blocks == N_BLOCKS - 1
+    source.landed.add(N_BLOCKS - 1)
+    first = engine.step()
+    assert [o.request_id for o in first] == ["long"]
+    second = engine.step()
+    assert sorted(o.request_id for o in second) == ["long", "mid", "short"]  # long's decode, the others' first
+    tokens = {o.request_id: [o.token_id] for o in first}
+    for o in second:
+        tokens.setdefault(o.request_id, []).append(o.token_id)
+    assert drain_tokens(engine, tokens) == alone

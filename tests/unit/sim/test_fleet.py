@@ -220,3 +220,22 @@ def test_the_parameter_pool_keeps_a_host_copy_off_the_serving_worker(profile):
     assert fill["worker"] != "w0000"  # the deploy's copy is there, and the first instance loads from it
     assert all(r.done is not None for r in res.requests)
     assert simulate(cfg("serverlessllm", nodes=4, min_instances=1), profile, [(20.0, 128, 4)]).pool_fills == []
+
+
+def test_a_loading_instance_finishes_its_first_prompts_before_the_rest_of_a_batch_run_ahead(profile):
+    """More prompts wait at a loading instance than its compute can run ahead: the first admitted
+    pass runs through each landed block before later passes do, and the steps after the load
+    finish the passes a budget at a time, those as far along as the first (libs.planning.ahead):
+    the first prompts' tokens come their last block's compute after the load, the rest later."""
+    trace = [(1.0, 1024, 4)] * 16
+    profile = profile.with_values(h2d_gbytes_per_s=2, max_batch=16)  # a 0.5 s copy into engine memory
+    sim = Simulation(cfg("layercast", nodes=1), profile, trace)
+    one = sim.compute.prefill_s(1024)
+    res = simulate(cfg("layercast", nodes=1), profile, trace)
+    (op,) = res.scale_ops
+    loaded = op["decided"] + op["last_loaded_s"]
+    firsts = sorted(r.first_token for r in res.requests)
+    assert sim.compute.prefill_s(16 * 1024) > op["last_loaded_s"]  # more than the load can hide
+    # the passes caught up have only their last block left: a few of those, not one whole prefill
+    assert 0 <= firsts[0] - loaded < 0.25 * one
+    assert firsts[-1] - firsts[0] > one  # the others' prefills come after

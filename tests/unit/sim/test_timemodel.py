@@ -117,11 +117,15 @@ def test_prompts_waiting_together_share_the_engines_step(profile):
 
 
 def test_the_simulators_engine_step_is_the_engines():
-    from libs.engine.engine import AHEAD_TOKEN_LIMIT, DEFAULT_PREFILL_CHUNK, DEFAULT_TOKEN_BUDGET
-    from libs.sim.fleet import ENGINE_AHEAD_TOKEN_LIMIT, ENGINE_PREFILL_CHUNK, ENGINE_TOKEN_BUDGET
+    import libs.engine.engine as engine
+    import libs.sim.fleet as fleet
+    from libs.engine.engine import DEFAULT_PREFILL_CHUNK, DEFAULT_TOKEN_BUDGET
+    from libs.sim.fleet import ENGINE_PREFILL_CHUNK, ENGINE_TOKEN_BUDGET
 
     assert (ENGINE_TOKEN_BUDGET, ENGINE_PREFILL_CHUNK) == (DEFAULT_TOKEN_BUDGET, DEFAULT_PREFILL_CHUNK)
-    assert ENGINE_AHEAD_TOKEN_LIMIT == AHEAD_TOKEN_LIMIT
+    # what runs ahead of a load, and in which passes: one module for both (libs.planning.ahead)
+    assert engine.ahead_passes is fleet.ahead_passes and engine.passes_to_finish is fleet.passes_to_finish
+    assert engine.AHEAD_TOKEN_LIMIT == fleet.AHEAD_TOKEN_LIMIT
 
 
 def test_each_row_of_an_iteration_pays_the_token_overhead():
