@@ -25,6 +25,7 @@ class Service:
                                   reconnected_cb=self._nats_reconnected)
         self._tasks: set[asyncio.Task] = set()
         self._started = False
+        self._stopping = False  # nats-py calls the disconnected callback on close too
 
     def background(self) -> list[Coroutine]:
         """Loops to run while the service is up."""
@@ -73,6 +74,7 @@ class Service:
 
     async def stop(self) -> None:
         self._started = False
+        self._stopping = True
         for t in list(self._tasks):
             t.cancel()
         await self.broker.stop()
@@ -81,6 +83,9 @@ class Service:
         return self._started
 
     async def _nats_disconnected(self) -> None:
+        if self._stopping:  # our own close, not a lost connection
+            log.info("%s: NATS connection closed", self.name)
+            return
         log.warning("%s: NATS connection lost; reconnecting", self.name)
 
     async def _nats_reconnected(self) -> None:
