@@ -497,18 +497,24 @@ class Engine:
             return self._finish_ahead()
         if self._schedule is not None:
             return self._step_pipelined()
-        passes: list[_Pass] = []
-        decoding = [r for r in self._active.values()
-                    if not r.pending and not r.held and r.output_ids and r.parent is None]
-        for group in _split(decoding, self.micro_batches):
-            ids = torch.tensor([[r.output_ids[-1]] for r in group], device=self.device)
-            passes.append(_Pass(group, ids, 1, sample=(True,) * len(group)))
+        decoding, passes = self._decode_passes()
         prefills = self._prefill_passes(self.token_budget - len(decoding))
         passes += prefills
         self.last_step = StepShape(
             len(decoding), sum(len(r.prompt_ids) + len(r.output_ids) for r in decoding) / max(1, len(decoding)),
             sum(p.q_len * len(p.requests) for p in prefills), len({r.key for p in prefills for r in p.requests}))
         return self._sampled(passes, self._run_passes(passes))
+
+    def _decode_passes(self, exclude: set = frozenset()) -> tuple[list[_Request], list[_Pass]]:
+        """The rows that decode a token this step (not `exclude`: rows whose prefill ran ahead of
+        the load and is not finished), and their passes, one per micro-batch."""
+        decoding = [r for r in self._active.values() if not r.pending and not r.held and r.output_ids
+                    and r.parent is None and r.key not in exclude]
+        passes = []
+        for group in _split(decoding, self.micro_batches):
+            ids = torch.tensor([[r.output_ids[-1]] for r in group], device=self.device)
+            passes.append(_Pass(group, ids, 1, sample=(True,) * len(group)))
+        return decoding, passes
 
     def _sampled(self, passes: list[_Pass], outs: list[torch.Tensor]) -> list[TokenOutput]:
         """The tokens sampled from the passes' logits (rows cancelled meanwhile left out)."""
@@ -534,8 +540,9 @@ class Engine:
         block's compute after the last block rather than a whole prefill after. A request that
         comes later catches up through the landed blocks in its own pass. Never waits for a
         block (the worker's engine thread calls it between other engines' steps); runs one pass a
-        call, the first admitted that is behind; False when it computed nothing. One local stage only (a pipeline's stages are loaded before it serves;
-        a live pair's source holds every block)."""
+        call, the first admitted that is behind; False when it computed nothing. One local stage
+        only (a pipeline's stages are loaded before it serves; a live pair's source holds every
+        block)."""
         if (self._ahead_failed or self._front is not None or len(self.stages) != 1
                 or not isinstance(self.stages[0], LocalStage) or self.runnable()):
             return False
@@ -590,14 +597,8 @@ class Engine:
         that fit the rest of the budget (first admitted first, at least one, only those as far
         along as the first; a pass counts its tokens times the share of the layers it has left:
         libs.planning.ahead) through their remaining blocks; the others wait for the next steps."""
-        ahead_rows = {r.key for a in self._ahead for r in a.pass_.requests}
-        decoding = [r for r in self._active.values() if not r.pending and not r.held and r.output_ids
-                    and r.parent is None and r.key not in ahead_rows]
-        passes = []
-        for group in _split(decoding, self.micro_batches):
-            ids = torch.tensor([[r.output_ids[-1]] for r in group], device=self.device)
-            passes.append(_Pass(group, ids, 1, sample=(True,) * len(group)))
-        outs = [self._forward(p.ids, p.inputs, p.q_len) for p in passes]
+        decoding, passes = self._decode_passes({r.key for a in self._ahead for r in a.pass_.requests})
+        outs = self._run_passes(passes)
         # A pass costs its tokens times the share of the layers it has left.
         stage = self.stages[0]
         blocks = stage.model.block_end - stage.model.block_start

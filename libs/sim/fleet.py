@@ -218,6 +218,8 @@ class Simulation:
         nb = profile.n_blocks
         sizes = [profile.model_bytes // nb + (1 if i < profile.model_bytes % nb else 0) for i in range(nb)]
         self.block_bytes = sizes
+        # the share of the model's bytes in blocks before each block (and in all: 1.0)
+        self.block_cum = [sum(sizes[:k]) / sum(sizes) for k in range(nb + 1)]
         max_inst = cfg.max_instances or cfg.nodes
         self.models: dict[str, m.ModelInfo] = {}
         n_req = max(1, len(requests))
@@ -526,10 +528,7 @@ class Simulation:
         (libs.planning.ahead), their rows' first tokens at its end. The other rows go on in the
         steps after with the rest of their prefill (`_prefilled`); `took` is the whole step's
         compute, each pass's share by its tokens."""
-        total, nb = sum(self.block_bytes), len(self.block_bytes)
-        cum = [0.0]
-        for size in self.block_bytes:
-            cum.append(cum[-1] + size / total)
+        nb, cum = len(self.block_bytes), self.block_cum
         tokens = [sum(inst.step_rows[i][1] for i in g) for g in inst.ahead_groups]
         whole = max(1, sum(tokens))
         compute = [took * n / whole for n in tokens]
