@@ -22,8 +22,7 @@ def four_blocks(tmp_path_factory):
     return scenario.four_blocks(tmp_path_factory)
 
 
-@pytest.fixture
-def cluster(tmp_path_factory, postgres_server_url, four_blocks):
+def _cluster(tmp_path_factory, postgres_server_url, four_blocks, env: dict):
     # Heartbeats share the capped links with the multicast: at a fraction of a Mbit/s a busy
     # source misses its 3 s heartbeat deadline and is taken for dead (its instances with it),
     # and a pipeline's activations wait behind blocks in tbf's queue (78 KB at 2 Mbit/s: up to
@@ -36,15 +35,25 @@ def cluster(tmp_path_factory, postgres_server_url, four_blocks):
                 postgres_server_url, four_blocks, scenario.DEPLOY, emulation=emulation,
                 state_dir=tmp_path_factory.mktemp("cluster"), api_key=scenario.API_KEY,
                 admin_key=scenario.ADMIN_KEY, workers=scenario.WORKERS, namespace=subjects.PREFIX, heartbeat_ttl_s=3.0,
-                extra_env=scenario.CLUSTER_ENV) as state:
+                extra_env=env) as state:
             yield state
     finally:
         emulation.close()
+
+
+@pytest.fixture
+def cluster(tmp_path_factory, postgres_server_url, four_blocks):
+    yield from _cluster(tmp_path_factory, postgres_server_url, four_blocks, scenario.CLUSTER_ENV)
+
+
+@pytest.fixture
+def kill_cluster(tmp_path_factory, postgres_server_url, four_blocks):
+    yield from _cluster(tmp_path_factory, postgres_server_url, four_blocks, scenario.KILL_CLUSTER_ENV)
 
 
 def test_a_pipeline_forms_serves_and_switches_over_capped_links(cluster):
     scenario.serves_before_any_receiver_holds_the_model_then_switches(cluster, cluster.nats_url)
 
 
-def test_a_stage_worker_killed_mid_request_loses_no_request_over_capped_links(cluster):
-    scenario.stage_worker_killed_mid_request_loses_no_accepted_request(cluster, cluster.nats_url)
+def test_a_stage_worker_killed_mid_request_loses_no_request_over_capped_links(kill_cluster):
+    scenario.stage_worker_killed_mid_request_loses_no_accepted_request(kill_cluster, kill_cluster.nats_url)

@@ -31,7 +31,7 @@ def cluster(tmp_path_factory, postgres_server_url):
                          heartbeat_ttl_s=5.0,
                          # one slot per instance (scenario.CLUSTER_ENV): a queued request reaches the
                          # pipeline as soon as it serves
-                         extra_env={**scenario.CLUSTER_ENV, "LAYERCAST_EMULATED_LINK_MBIT": "0.35"}) as state:
+                         extra_env=scenario.KILL_CLUSTER_ENV) as state:
         with Supervisor(state, backoff=RestartBackoff(initial_s=0.2, max_s=2.0)) as supervisor:
             state.supervisor = supervisor
             yield state

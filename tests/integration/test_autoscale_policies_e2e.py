@@ -68,7 +68,9 @@ def exercise(cluster, model: str) -> list[tuple[str, int, int, str]]:
 
 
 def test_concurrency_scales_out_on_a_burst_and_in_after_its_own_delay(cluster, tiny_checkpoint):
-    deploy_model(cluster, "conc", tiny_checkpoint, min_instances=0, max_instances=2, keep_alive_s=3.0,
+    # keep-alive 8 s: the 2 -> 1 comes once the stable window's mean falls (1 s) plus the 0.3 s, well
+    # inside it even on a crowded machine (at 3 s a slow tick let the keep-alive take both at once).
+    deploy_model(cluster, "conc", tiny_checkpoint, min_instances=0, max_instances=2, keep_alive_s=8.0,
                  policy="concurrency", policy_params={"target": 1, "stable_s": 1.0, "panic_s": 0.5,
                                                       "scale_down_delay_s": 0.3})
     history = exercise(cluster, "conc")

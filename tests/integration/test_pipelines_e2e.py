@@ -16,14 +16,15 @@ def four_blocks(tmp_path_factory):
     return scenario.four_blocks(tmp_path_factory)
 
 
-def _cluster(tmp_path_factory, nats_url, postgres_server_url, checkpoint, ttl_s: float = 3.0):
+def _cluster(tmp_path_factory, nats_url, postgres_server_url, checkpoint, ttl_s: float = 3.0,
+             env: dict = scenario.CLUSTER_ENV):
     # Block sends paced in process (scenario.CLUSTER_ENV): the multicast takes seconds, so its
     # stages are visible and the pipeline serves for seconds.
     return running_cluster(
         postgres_server_url, checkpoint, scenario.DEPLOY,
         state_dir=tmp_path_factory.mktemp("cluster"), api_key=scenario.API_KEY, admin_key=scenario.ADMIN_KEY,
         workers=scenario.WORKERS, nats_url=nats_url, namespace=subjects.PREFIX, heartbeat_ttl_s=ttl_s,
-        extra_env=scenario.CLUSTER_ENV)
+        extra_env=env)
 
 
 @pytest.fixture
@@ -36,7 +37,8 @@ def cluster(tmp_path_factory, nats_url, postgres_server_url, four_blocks):
 def slow_cluster(tmp_path_factory, nats_url, postgres_server_url, four_blocks):
     # A heartbeat TTL far beyond the test's waits: only a broken data-plane connection explains
     # a fast death (issue 40); no supervisor runs here to see the process exit.
-    with _cluster(tmp_path_factory, nats_url, postgres_server_url, four_blocks, ttl_s=30.0) as state:
+    with _cluster(tmp_path_factory, nats_url, postgres_server_url, four_blocks, ttl_s=30.0,
+                  env=scenario.KILL_CLUSTER_ENV) as state:
         yield state
 
 
