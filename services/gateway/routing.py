@@ -118,23 +118,25 @@ class ModelRoutes:
             route.in_flight += self.charge(route, weight)
             waiter.set_result(route)
 
-    async def acquire(self, timeout_s: float, weight: int = 1, refused: bool = False) -> Route:
+    async def acquire(self, timeout_s: float, weight: int = 1, admitted: bool = False) -> Route:
         """Slots for `weight` choices on one instance; raises APIError 429 (queue full) or 503 (timed out).
 
-        `refused`: the request was just refused elsewhere ("busy"); admitted already, it is no
-        new arrival, is never turned away as the queue is full, and waits at the queue's head."""
-        if not refused:
+        `admitted`: the request was admitted before (refused elsewhere as "busy", its instance
+        stopping, or handed over from a failed or switched instance): it is no new arrival, is
+        never turned away as the queue is full, and waits at the queue's head, before requests
+        that came after it."""
+        if not admitted:
             self.arrivals += 1
             self.last_request_at = time.time()
-        route = self._free_route(weight) if refused or not self._waiters else None
+        route = self._free_route(weight) if admitted or not self._waiters else None
         if route is not None:
             route.in_flight += self.charge(route, weight)
             return route
-        if self.queued >= self.max_queue and not refused:
+        if self.queued >= self.max_queue and not admitted:
             raise APIError(429, f"the queue of model {self.model!r} is full ({self.max_queue} waiting); retry later",
                            code="queue_full", retry_after=1)
         waiter: asyncio.Future = asyncio.get_running_loop().create_future()
-        if refused:
+        if admitted:
             self._waiters.appendleft((waiter, weight))
         else:
             self._waiters.append((waiter, weight))

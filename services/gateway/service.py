@@ -302,7 +302,8 @@ class Generation:
                                                   if not c.finished}
         try:
             self.route = await self.gw.dispatch(self.entry, self.request_id, self.prompt_ids, self.sampling,
-                                                self.token_ids if self.sampling.n == 1 else (), resume)
+                                                self.token_ids if self.sampling.n == 1 else (), resume,
+                                                admitted=True)
         except APIError as e:
             self.route = old
             old.in_flight += self.entry.routes.charge(old, self.sampling.n)  # close() releases it once more
@@ -631,7 +632,8 @@ class GatewayService(Service):
             raise
 
     async def dispatch(self, entry: ModelEntry, request_id: str, prompt_ids: list[int], sampling: m.SamplingSpec,
-                       generated_ids: list[int] = (), choices: dict[int, list[int]] | None = None) -> Route:
+                       generated_ids: list[int] = (), choices: dict[int, list[int]] | None = None,
+                       admitted: bool = False) -> Route:
         """Wait for instance slots (one per choice) and hand the request to its worker; the route it holds.
 
         A worker that fails it loses its route (three failures: 503). One that refuses it as
@@ -640,21 +642,22 @@ class GatewayService(Service):
         answer in time (overloaded, or hung) loses its route until the next sync and has that
         attempt cancelled, since it may still take it late; one whose instance is stopping loses
         the route too. In both cases the request tries elsewhere within the same wait: neither
-        is proof that the request cannot be served."""
+        is proof that the request cannot be served. `admitted`: a hand-over; the request waits at
+        the queue's head (a pipeline's switch hands over requests that came before those queued)."""
         self._demand.set()
         model = entry.info.name
-        failures, refused = 0, False
+        failures, handed_over = 0, admitted
         arrived = time.monotonic()
         deadline = arrived + self.config.queue_timeout_s  # refusals do not restart the wait
         while failures < 3:
             with _tracer.start_as_current_span("gateway.queue", attributes={
-                    "layercast.model": model, "layercast.attempt": failures, "layercast.refused": refused}) as queued:
+                    "layercast.model": model, "layercast.attempt": failures, "layercast.admitted": admitted}) as queued:
                 # Counted while it waits (also if it gets a slot at once: a report in between sees no change).
                 owed = sampling.max_tokens * sampling.n
                 entry.queued_tokens += owed
                 try:
                     route = await entry.routes.acquire(max(0.0, deadline - time.monotonic()), sampling.n,
-                                                       refused=refused)
+                                                       admitted=admitted)
                 finally:
                     entry.queued_tokens -= owed
                 queued.set_attribute("layercast.instance", route.instance_id)
@@ -678,7 +681,7 @@ class GatewayService(Service):
                     entry.routes.refuse(route, sampling.n)
                     BUSY_REFUSALS.labels(model).inc()
                     log.debug("instance %s refused request %s as busy: %s", route.instance_id, request_id, e.error)
-                    refused = True
+                    admitted = True
                     continue
                 unanswered = isinstance(e, TimeoutError) and not isinstance(e, NoResponders)
                 if unanswered or (isinstance(e, RemoteError) and e.code == "unavailable"):
@@ -688,10 +691,10 @@ class GatewayService(Service):
                         self._cancel_attempt(route, req)
                         UNANSWERED.labels(model).inc()
                     self._dispatch_failed(entry, route, sampling.n, e)
-                    refused = True  # admitted already: it waits at the head, never a 429
+                    admitted = True  # it waits at the head, never a 429
                     continue
                 self._dispatch_failed(entry, route, sampling.n, e)
-                failures, refused = failures + 1, False
+                failures, admitted = failures + 1, handed_over
                 deadline = time.monotonic() + self.config.queue_timeout_s  # as before: each failure waits anew
             else:
                 span = trace.get_current_span()

@@ -54,14 +54,16 @@ def _event(choice: int, index: int, token: int | None, instance: str, finished: 
 
 async def test_a_hand_over_resumes_the_unfinished_choices_from_their_own_tokens():
     """Choice 1 ended, choice 0 had 2 tokens when its instance failed: the hand-over asks the
-    next instance for choice 0 only, from its 2 tokens; the client sees each choice's tokens
-    once (a late token of the old instance is dropped), usage sums the choices."""
+    next instance for choice 0 only, from its 2 tokens, as a request admitted before (at the
+    queue's head: a pipeline's switch hands over requests that came before those queued); the
+    client sees each choice's tokens once (a late token of the old instance is dropped), usage
+    sums the choices."""
     routes = ModelRoutes("m", max_queue=4, slots_per_instance=8)
     routes.add("old", "w1")
     dispatched = []
 
-    async def dispatch(entry, request_id, prompt_ids, sampling, generated_ids=(), choices=None):
-        dispatched.append((list(generated_ids), choices))
+    async def dispatch(entry, request_id, prompt_ids, sampling, generated_ids=(), choices=None, admitted=False):
+        dispatched.append((list(generated_ids), choices, admitted))
         routes.routes["new"].in_flight += 2
         # What comes next: choice 0 from its third token (an index sent again is dropped), and a
         # late token of the old instance (dropped).
@@ -84,7 +86,8 @@ async def test_a_hand_over_resumes_the_unfinished_choices_from_their_own_tokens(
                _event(1, 1, 3, "old", finished=True), _event(0, 0, None, "old", finished=True, error="it died")]:
         gen.queue.put_nowait(ev)
     pieces = [p async for p in gen]
-    assert dispatched == [([], {0: [0, 2]})]
+    # Admitted before: it waits at the queue's head, ahead of requests that came after it.
+    assert dispatched == [([], {0: [0, 2]}, True)]
     assert workers.cancels == [("w1", m.CancelRequest(request_id="r", instance_id="old"))]  # the old one stops
     assert gen.route.instance_id == "new"
     text = {i: "".join(p.text for p in pieces if p.index == i) for i in (0, 1)}

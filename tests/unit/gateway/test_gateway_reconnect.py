@@ -34,7 +34,7 @@ def _generation(then: list[m.TokenEvent], attempt_after_dispatch: int | None = N
     routes.add("a", "w1")
     dispatched = []
 
-    async def dispatch(entry, request_id, prompt_ids, sampling, generated_ids=(), choices=None):
+    async def dispatch(entry, request_id, prompt_ids, sampling, generated_ids=(), choices=None, admitted=False):
         dispatched.append(list(generated_ids))
         route = await routes.acquire(1)
         if attempt_after_dispatch is not None:

@@ -133,7 +133,7 @@ async def test_a_refused_request_is_no_new_arrival_and_keeps_its_place_in_a_full
     later = asyncio.create_task(routes.acquire(5))  # fills the queue
     await asyncio.sleep(0)
     arrivals = routes.arrivals
-    refused = asyncio.create_task(routes.acquire(5, refused=True))  # admitted before: no 429
+    refused = asyncio.create_task(routes.acquire(5, admitted=True))  # admitted before: no 429
     await asyncio.sleep(0)
     assert routes.arrivals == arrivals and routes.queued == 2
     routes.release(held)
@@ -353,7 +353,7 @@ async def _moved_three_times(preempted: bool) -> tuple[str, list[list[int]]]:
         for e in ev:
             gen.queue.put_nowait(e)
 
-    async def dispatch(entry, request_id, prompt_ids, sampling, generated_ids=(), choices=None):
+    async def dispatch(entry, request_id, prompt_ids, sampling, generated_ids=(), choices=None, admitted=False):
         resumed.append(list(generated_ids))
         k = len(resumed)
         run_on(k, len(generated_ids))
